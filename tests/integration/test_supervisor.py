@@ -1,0 +1,78 @@
+"""The supervisor behind ``tether up``: children stop together, failures are reported, nothing orphaned."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import alive, wait_gone
+from tether.supervisor import ChildFailed, ChildSpec, Supervisor
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
+# a child that starts a grandchild in its own process group, like torchrun's ranks
+FORKER = [
+    sys.executable,
+    "-c",
+    "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']);"
+    " print(p.pid, flush=True); time.sleep(600)",
+]
+
+
+def read_pid(path: Path, timeout_s: float = 20) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = path.read_text().strip() if path.exists() else ""
+        if text:
+            return int(text.splitlines()[0])
+        time.sleep(0.05)
+    raise AssertionError(f"no pid in {path}")
+
+
+def test_primary_success_then_stop_all(tmp_path: Path) -> None:
+    sup = Supervisor(grace_s=5)
+    worker = sup.start(ChildSpec("worker", SLEEPER, tmp_path / "worker.log"))
+    sup.start(ChildSpec("main", [sys.executable, "-c", "print('done')"], tmp_path / "main.log", primary=True))
+    assert sup.wait() == 0
+    sup.stop_all()
+    assert wait_gone(worker.proc.pid)
+    assert "done" in (tmp_path / "main.log").read_text()
+
+
+def test_failed_child_is_reported_with_its_log(tmp_path: Path) -> None:
+    sup = Supervisor(grace_s=5)
+    other = sup.start(ChildSpec("other", SLEEPER, tmp_path / "other.log"))
+    sup.start(ChildSpec("bad", [sys.executable, "-c", "import sys; print('kaput'); sys.exit(3)"], tmp_path / "bad.log"))
+    with pytest.raises(ChildFailed) as info:
+        sup.wait()
+    assert info.value.name == "bad" and info.value.code == 3
+    assert "kaput" in str(info.value)
+    sup.stop_all()
+    assert wait_gone(other.proc.pid)
+
+
+def test_grandchildren_are_stopped_too(tmp_path: Path) -> None:
+    sup = Supervisor(grace_s=2)
+    child = sup.start(ChildSpec("forker", FORKER, tmp_path / "forker.log"))
+    grandchild = read_pid(tmp_path / "forker.log")
+    assert alive(grandchild)
+    sup.stop_all()
+    assert wait_gone(child.proc.pid) and wait_gone(grandchild)
+
+
+def test_stubborn_child_is_killed_after_grace(tmp_path: Path) -> None:
+    stubborn = [
+        sys.executable,
+        "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+        "time.sleep(600)",
+    ]
+    sup = Supervisor(grace_s=1)
+    child = sup.start(ChildSpec("stubborn", stubborn, tmp_path / "s.log"))
+    deadline = time.monotonic() + 20
+    while "ready" not in (tmp_path / "s.log").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sup.stop_all()
+    assert wait_gone(child.proc.pid)

@@ -1,0 +1,175 @@
+"""The ``tether`` command. Every subcommand validates its config before importing torch.
+
+    tether up --config configs/demo.yaml            the whole loop on this machine
+    tether learner --config cfg.yaml --run.run_id r1 the learner under torchrun (this node)
+    tether rollout --config cfg.yaml --run.run_id r1 one rollout server
+    tether status --config cfg.yaml --run.run_id r1  a live view of a running run
+    tether config --config cfg.yaml [overrides]      print the resolved config
+    tether make-tiny-model DIR                       a tiny local model for tests and the demo
+
+Overrides are dotted keys after the options: ``--learner.lr 1e-6 --rollout.engine.type=vllm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from tether.config import ConfigError, TetherConfig, dump_config, load_config
+
+EXIT_CONFIG = 2
+
+
+def _add_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", metavar="FILE", help="YAML config file (sections run, model, ...)")
+    p.epilog = "Any further --section.key VALUE pairs override the config file."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tether", description="Asynchronous actor-learner RL post-training for language models."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    up = sub.add_parser("up", help="run the whole loop on this machine (embedded Redis, learner, rollout servers)")
+    _add_config(up)
+    up.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
+
+    learner = sub.add_parser("learner", help="start the learner on this node under torchrun")
+    _add_config(learner)
+    learner.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    learner.add_argument("--nnodes", default="1", help="torchrun --nnodes (e.g. 2, or 1:4 elastic)")
+    learner.add_argument("--node-rank", type=int, default=0, help="torchrun --node_rank")
+    learner.add_argument("--rdzv-endpoint", default="", help="torchrun rendezvous host:port (multi-node)")
+
+    rollout = sub.add_parser("rollout", help="start one rollout server (gRPC + prompt worker)")
+    _add_config(rollout)
+
+    status = sub.add_parser("status", help="show versions, buffer, servers and throughput of a run")
+    _add_config(status)
+    status.add_argument("--watch", action="store_true", help="refresh every second until Ctrl-C")
+
+    show = sub.add_parser("config", help="validate a config and print it resolved")
+    _add_config(show)
+
+    tiny = sub.add_parser("make-tiny-model", help="write a tiny random model + byte-level tokenizer")
+    tiny.add_argument("out_dir", metavar="DIR")
+    tiny.add_argument("--hidden", type=int, default=128, help="hidden size (default 128)")
+    tiny.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    tiny.add_argument("--heads", type=int, default=4, help="attention heads; keep hidden/heads >= 32 for vLLM")
+    tiny.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default heads/2)")
+    tiny.add_argument("--intermediate", type=int, default=None, help="MLP size (default 2*hidden)")
+    tiny.add_argument("--max-position", type=int, default=2048, help="context length (default 2048)")
+    tiny.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _load(args: argparse.Namespace, overrides: list[str]) -> TetherConfig:
+    return load_config(args.config, overrides)
+
+
+def _require_run_id(cfg: TetherConfig) -> None:
+    if cfg.run.run_id is None:
+        raise ConfigError(
+            "run.run_id: required when processes are launched separately (every process of a run must "
+            "share it) — pass --run.run_id NAME"
+        )
+
+
+def cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
+    cfg = _load(args, overrides)
+    from tether.launcher import up
+
+    return up(cfg, resume=args.resume)
+
+
+def cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
+    cfg = _load(args, overrides)
+    _require_run_id(cfg)
+    from tether.launcher import learner_command
+
+    cmd = learner_command(
+        cfg,
+        config_path=args.config,
+        overrides=overrides,
+        resume=args.resume,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+    )
+    os.execvp(cmd[0], cmd)  # torchrun takes over this process: signals reach it directly
+
+
+def cmd_rollout(args: argparse.Namespace, overrides: list[str]) -> int:
+    cfg = _load(args, overrides)
+    _require_run_id(cfg)
+    from rollout_server.main import run
+
+    return run(cfg)
+
+
+def cmd_status(args: argparse.Namespace, overrides: list[str]) -> int:
+    cfg = _load(args, overrides)
+    _require_run_id(cfg)
+    from tether.status import show_status
+
+    return show_status(cfg, watch=args.watch)
+
+
+def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
+    print(dump_config(_load(args, overrides)), end="")
+    return 0
+
+
+def cmd_make_tiny_model(args: argparse.Namespace, overrides: list[str]) -> int:
+    if overrides:
+        raise ConfigError(f"make-tiny-model: unexpected arguments {' '.join(overrides)}")
+    if args.hidden // args.heads < 32:
+        print(f"warning: head_dim {args.hidden // args.heads} < 32; vLLM's CPU attention needs >= 32", file=sys.stderr)
+    from tether.tiny_model import make_tiny_model
+
+    try:
+        out = make_tiny_model(
+            args.out_dir,
+            hidden=args.hidden,
+            layers=args.layers,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            intermediate=args.intermediate,
+            max_position=args.max_position,
+            seed=args.seed,
+        )
+    except ValueError as e:
+        raise ConfigError(f"make-tiny-model: {e}") from None
+    print(f"wrote a tiny model to {out}")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
+    "up": cmd_up,
+    "learner": cmd_learner,
+    "rollout": cmd_rollout,
+    "status": cmd_status,
+    "config": cmd_config,
+    "make-tiny-model": cmd_make_tiny_model,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        return COMMANDS[args.command](args, overrides)
+    except ConfigError as e:
+        for line in str(e).splitlines():
+            print(f"tether: config error: {line}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        print("tether: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""``algorithm``: advantages, the policy loss, off-policy correction, staleness."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tether.config.base import Section
+
+
+class AlgorithmConfig(Section):
+    max_staleness: int = Field(default=1, ge=0)
+    """Policy versions rollout may run ahead of the learner (AReaL's eta). 0: synchronous on-policy."""
+
+    adv_estimator: Literal["grpo", "dr_grpo"] = "grpo"
+    """``grpo``: reward minus group mean (optionally over group std); ``dr_grpo``: no std
+    normalisation, and the loss is aggregated as ``seq-mean-token-sum-norm``."""
+
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide GRPO advantages by the group's reward standard deviation."""
+
+    clip_ratio_low: float = Field(default=0.2, ge=0, lt=1)
+    """PPO clip: ratio lower bound 1 - clip_ratio_low."""
+
+    clip_ratio_high: float = Field(default=0.28, ge=0)
+    """PPO clip: ratio upper bound 1 + clip_ratio_high (> low: DAPO's clip-higher)."""
+
+    clip_ratio_c: float = Field(default=3.0, gt=1)
+    """Dual-clip bound for negative advantages (verl's ``clip_ratio_c``)."""
+
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """How per-token losses are reduced to one number."""
+
+    recompute_logprobs: bool = True
+    """Recompute proximal log-probs with the learner's current weights before the update (decoupled
+    PPO). False: the behaviour log-probs stand in for the proximal policy."""
+
+    tis_imp_ratio_cap: float = Field(default=2.0, gt=0)
+    """Cap on the importance weight proximal / behaviour (truncated importance sampling)."""
+
+    tis_level: Literal["token", "sequence"] = "token"
+    """Importance weights per token or one (geometric mean) per sequence."""
+
+    tis_mode: Literal["truncate", "mask"] = "truncate"
+    """``truncate``: weights above the cap are set to the cap; ``mask``: those tokens are dropped."""
+
+    use_kl_loss: bool = False
+    """Add a KL penalty to a frozen reference model."""
+
+    kl_loss_coef: float = Field(default=0.001, ge=0)
+    """Weight of the KL penalty."""
+    kl_loss_type: Literal["k1", "k3"] = "k3"
+    """KL estimator: k1 = log ratio, k3 = Schulman's unbiased low-variance estimator."""
+
+    entropy_coeff: float = Field(default=0.0, ge=0)
+    """Entropy bonus weight."""
+
+    @model_validator(mode="after")
+    def _dr_grpo(self) -> AlgorithmConfig:
+        if self.adv_estimator == "dr_grpo" and self.norm_adv_by_std_in_grpo:
+            # Dr.GRPO is defined without the std normalisation; make the config say what runs.
+            object.__setattr__(self, "norm_adv_by_std_in_grpo", False)
+        return self

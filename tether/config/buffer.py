@@ -1,0 +1,39 @@
+"""``buffer``: the Redis streams between rollout servers and the learner."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from tether.config.base import Section
+
+
+class BufferConfig(Section):
+    redis_url: str = ""
+    """``redis://[user:password@]host:port/db`` or ``rediss://`` for TLS. Empty: start an embedded
+    Redis on a free loopback port with its data in the run folder (local runs only)."""
+
+    max_trajectory_groups: int = Field(default=1024, gt=0)
+    """Bound on unacknowledged groups in the trajectories stream; producers wait beyond it."""
+
+    max_trajectory_bytes: int = Field(default=1024 * 1024 * 1024, gt=0)
+    """Bound on bytes of unacknowledged groups; producers wait beyond it."""
+
+    put_timeout_s: float = Field(default=60.0, gt=0)
+    """How long a producer waits for room before the put fails with a backpressure error."""
+
+    claim_idle_ms: int = Field(default=60_000, gt=0)
+    """Entries pending this long on a consumer are reclaimed by another (XAUTOCLAIM)."""
+
+    max_deliveries: int = Field(default=5, gt=0)
+    """An entry delivered more often than this goes to the dead-letter stream."""
+
+    compression: Literal["none", "zlib"] = "zlib"
+    """Compression of large trajectory payloads."""
+
+    compress_min_bytes: int = Field(default=256 * 1024, ge=0)
+    """Payloads smaller than this are stored uncompressed."""
+
+    appendonly: bool = False
+    """Embedded Redis only: turn on the append-only file (fsync every second)."""

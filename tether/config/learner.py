@@ -1,0 +1,120 @@
+"""``learner``: the FSDP2 training loop — batch sizes, optimizer, memory and speed levers."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tether.config.base import Section
+
+
+class ProfileConfig(Section):
+    steps: list[int] = Field(default_factory=list)
+    """Learner steps to profile (torch profiler trace per rank in ``{run}/profile``)."""
+
+
+class LearnerConfig(Section):
+    nproc_per_node: int = Field(default=1, gt=0)
+    """Learner processes per node (torchrun ``--nproc_per_node``)."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto``: cuda (NCCL) when available, else cpu (gloo)."""
+
+    total_steps: int = Field(default=100, gt=0)
+    """Optimizer steps of the run."""
+
+    train_batch_size: int = Field(default=8, gt=0)
+    """Prompts (groups) one learner step consumes: B of the admission rule (verl:
+    ``data.train_batch_size``)."""
+
+    ppo_mini_batch_size: int | None = Field(default=None, gt=0)
+    """Prompts per optimizer update inside a step; empty: the whole ``train_batch_size``."""
+
+    ppo_epochs: int = Field(default=1, gt=0)
+    """Passes over each step's data."""
+
+    micro_batch_size_per_gpu: int = Field(default=4, gt=0)
+    """Sequences per forward/backward on one GPU (without dynamic batching)."""
+
+    use_remove_padding: bool = True
+    """Pack sequences into one row with per-sequence position ids: no compute on padding."""
+
+    use_dynamic_bsz: bool = True
+    """Form micro-batches by token budget instead of a fixed count."""
+
+    max_token_len_per_gpu: int = Field(default=8192, gt=0)
+    """Token budget of one micro-batch on one GPU with ``use_dynamic_bsz``."""
+
+    log_prob_micro_batch_size_per_gpu: int | None = Field(default=None, gt=0)
+    """Micro-batch of forward-only passes (log-prob recomputation, reference); empty: 2x training."""
+
+    log_prob_max_token_len_per_gpu: int | None = Field(default=None, gt=0)
+    """Token budget of forward-only passes; empty: 2x ``max_token_len_per_gpu``."""
+
+    lr: float = Field(default=1e-6, gt=0)
+    """Peak learning rate of AdamW."""
+
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = Field(default=1e-8, gt=0)
+    """AdamW epsilon."""
+
+    lr_warmup_steps: int = Field(default=0, ge=0)
+    """Linear warmup steps."""
+
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    """After warmup: constant, or cosine decay to ``min_lr_ratio`` x lr at ``total_steps``."""
+
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Floor of the cosine schedule as a fraction of ``lr``."""
+
+    grad_clip: float = Field(default=1.0, gt=0)
+    """Gradient norm clip."""
+
+    param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """FSDP2 compute dtype of parameters on GPU (CPU always computes in float32)."""
+
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """FSDP2 gradient reduction dtype."""
+
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+
+    forward_prefetch: bool = False
+    """Prefetch the next block's all-gather during forward (FSDP2)."""
+
+    cpu_offload: bool = False
+    """Keep sharded parameters and optimizer state in CPU memory."""
+
+    use_liger: bool = False
+    """Use Liger kernels (GPU, package liger-kernel)."""
+
+    entropy_from_logits_with_chunking: bool = True
+    """Compute entropy over the vocabulary in chunks so the [tokens, vocab] peak stays bounded."""
+
+    entropy_checkpointing: bool = False
+    """Recompute the entropy in backward instead of keeping its activations."""
+
+    checkpoint_every: int = Field(default=50, ge=0)
+    """Steps between checkpoints (0: only at the end)."""
+
+    export_hf: bool = True
+    """Write the final weights in Hugging Face format to ``{run}/final``."""
+
+    data_path: str = ""
+    """JSONL of prompts (``{"prompt": ..., "answer": ...}``) or ``demo:<task>`` for a built-in task."""
+
+    prompt_key: str = "prompt"
+    """Field of a JSONL row holding the prompt."""
+
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+
+    @model_validator(mode="after")
+    def _mini_batch_divides(self) -> LearnerConfig:
+        mini = self.ppo_mini_batch_size
+        if mini is not None and (mini > self.train_batch_size or self.train_batch_size % mini):
+            raise ValueError(f"ppo_mini_batch_size ({mini}) must divide train_batch_size ({self.train_batch_size})")
+        return self

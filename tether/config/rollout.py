@@ -1,0 +1,177 @@
+"""``rollout``: rollout servers — engine, sampling defaults, rewards, serving limits."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from tether.config.base import Section
+
+
+class TransformersEngineConfig(Section):
+    """Batched generation with Hugging Face transformers and a KV cache; runs anywhere."""
+
+    type: Literal["transformers"] = "transformers"
+    device: str = "auto"
+    """``auto`` (cuda when available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``."""
+    max_num_seqs: int = Field(default=64, gt=0)
+    """Most sequences generated together in one batch (verl/vLLM name)."""
+    batch_wait_ms: float = Field(default=5.0, ge=0)
+    """How long a new request waits for others to share its batch."""
+
+
+class VllmEngineConfig(Section):
+    """vLLM's AsyncLLM with continuous batching; weights are loaded in place on update."""
+
+    type: Literal["vllm"] = "vllm"
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+    """Fraction of GPU memory vLLM may take for weights and KV cache."""
+    max_num_seqs: int = Field(default=256, gt=0)
+    """Most sequences in one engine step."""
+    max_num_batched_tokens: int | None = Field(default=None, gt=0)
+    """Token budget of one engine step (chunked prefill); empty: vLLM's default."""
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    """GPUs one engine spans with tensor parallelism."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (faster start, slower decode)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV cache across requests sharing a prefix (the G samples of a group do)."""
+    cpu_kvcache_space_gb: float = Field(default=1.0, gt=0)
+    """KV cache size on the CPU build of vLLM (``VLLM_CPU_KVCACHE_SPACE``)."""
+    log_stats_interval_s: float = Field(default=10.0, gt=0)
+    """How often the engine's statistics are logged."""
+
+
+class SglangEngineConfig(Section):
+    """SGLang's engine; GPU only."""
+
+    type: Literal["sglang"] = "sglang"
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+    """Passed to SGLang as ``mem_fraction_static``."""
+    max_num_seqs: int = Field(default=256, gt=0)
+    """SGLang's ``max_running_requests``."""
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    """SGLang's ``tp_size``."""
+
+
+EngineConfig = Annotated[TransformersEngineConfig | VllmEngineConfig | SglangEngineConfig, Field(discriminator="type")]
+
+
+class ExactMatchReward(Section):
+    """1.0 when the completion (stripped) equals ``reward_context[answer_key]``, else 0.0."""
+
+    type: Literal["exact_match"] = "exact_match"
+    answer_key: str = "answer"
+    """Key of the prompt's ``reward_context`` holding the reference answer."""
+
+
+class MathReward(Section):
+    """1.0 when the last ``\\boxed{…}`` (or the last number) equals the reference numerically."""
+
+    type: Literal["math"] = "math"
+    answer_key: str = "answer"
+    """Key of the prompt's ``reward_context`` holding the reference answer."""
+    format_bonus: float = Field(default=0.0, ge=0, le=1)
+    """Reward for a well-formed ``\\boxed{}`` answer that is wrong."""
+
+
+class DemoReward(Section):
+    """The reward of the demo task (see ``examples/`` and ``configs/demo.yaml``)."""
+
+    type: Literal["demo"] = "demo"
+
+
+class RemoteReward(Section):
+    """A user's ``tether.v1.Reward`` gRPC service."""
+
+    type: Literal["remote"] = "remote"
+    address: str
+    """host:port of the reward service."""
+    timeout_s: float = Field(default=10.0, gt=0)
+    """Deadline of one Score/ScoreBatch call."""
+    max_retries: int = Field(default=3, ge=0)
+    """Retries on UNAVAILABLE / DEADLINE_EXCEEDED before the group is dead-lettered."""
+    token: str = ""
+    """Bearer token sent to the service, if it requires one."""
+
+
+RewardConfig = Annotated[ExactMatchReward | MathReward | DemoReward | RemoteReward, Field(discriminator="type")]
+
+
+class RolloutConfig(Section):
+    engine: EngineConfig = Field(default_factory=TransformersEngineConfig)
+    """Generation backend: ``type: transformers | vllm | sglang``."""
+
+    reward: RewardConfig = Field(default_factory=DemoReward)
+    """How completions of the prompts stream are scored: ``type: exact_match | math | demo | remote``."""
+
+    n: int = Field(default=8, gt=0)
+    """Samples per prompt: the GRPO group size G (verl: ``rollout.n``)."""
+
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature; keep 1.0 for RL so behaviour log-probs match the policy."""
+
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+
+    top_k: int = Field(default=-1, ge=-1)
+    """Top-k sampling; -1 disables it."""
+
+    max_tokens: int = Field(default=256, gt=0)
+    """Most completion tokens per sample (per turn for episodes)."""
+
+    max_prompt_len: int = Field(default=1024, gt=0)
+    """Longest prompt in tokens; longer requests are rejected with INVALID_ARGUMENT."""
+
+    max_n: int = Field(default=64, gt=0)
+    """Largest ``n`` one Generate request may ask for."""
+
+    num_servers: int = Field(default=1, ge=0)
+    """Rollout server processes ``tether up`` starts on this machine."""
+
+    host: str = "127.0.0.1"
+    """Address the gRPC server binds to."""
+
+    port: int = Field(default=0, ge=0, le=65535)
+    """gRPC port; 0 picks a free one (it is published in the server registry)."""
+
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    """Prometheus metrics port; empty disables the endpoint, 0 picks a free one."""
+
+    server_id: str | None = None
+    """Name in the server registry; empty: hostname and port."""
+
+    max_concurrent_requests: int = Field(default=256, gt=0)
+    """Requests admitted at once; more get RESOURCE_EXHAUSTED."""
+
+    max_message_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    """gRPC send/receive message size limit, set on both ends."""
+
+    auth_token: str = ""
+    """Bearer token required on every call when set (always on Control). Prefer the
+    ``TETHER_AUTH_TOKEN`` environment variable to writing it here."""
+
+    tls_cert: str = ""
+    """PEM certificate file; with ``tls_key`` the server speaks TLS."""
+
+    tls_key: str = ""
+    """PEM private key file."""
+
+    episode_idle_timeout_s: float = Field(default=300.0, gt=0)
+    """An episode with no call for this long is dropped."""
+
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    """Interval of registry heartbeats; the entry expires after three missed beats."""
+
+    prompt_workers: int = Field(default=2, ge=0)
+    """Prompts a server works on at once from the prompts stream; 0: serve gRPC only."""
+
+    drain_timeout_s: float = Field(default=30.0, gt=0)
+    """On SIGTERM, how long in-flight work may take before it is returned to the stream."""
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> RolloutConfig:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key must be given together")
+        return self

@@ -1,0 +1,71 @@
+"""``weight_sync``: how new weights travel from the learner to the rollout fleet."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from tether.config.base import Section
+
+
+class NcclTransport(Section):
+    """GPU to GPU broadcast over NCCL."""
+
+    type: Literal["nccl"] = "nccl"
+    master_addr: str = "127.0.0.1"
+    """Address of learner rank 0 that receivers connect to for the weight-sync group."""
+    master_port: int = Field(default=29600, ge=0, le=65535)
+    """Port of the weight-sync rendezvous (not torchrun's); 0 picks a free one."""
+
+
+class GlooTransport(Section):
+    """CPU broadcast over gloo: the CPU path and the one tests use."""
+
+    type: Literal["gloo"] = "gloo"
+    master_addr: str = "127.0.0.1"
+    """Address of learner rank 0 that receivers connect to for the weight-sync group."""
+    master_port: int = Field(default=29600, ge=0, le=65535)
+    """Port of the weight-sync rendezvous (not torchrun's); 0 picks a free one."""
+
+
+class FilesystemTransport(Section):
+    """Safetensors snapshot plus a version marker on a shared filesystem."""
+
+    type: Literal["filesystem"] = "filesystem"
+    path: str = ""
+    """Snapshot folder; empty: ``{run}/snapshots``."""
+
+
+TransportConfig = Annotated[NcclTransport | GlooTransport | FilesystemTransport, Field(discriminator="type")]
+
+
+class WeightSyncConfig(Section):
+    transport: TransportConfig = Field(default_factory=FilesystemTransport)
+    """``type: nccl | gloo | filesystem``."""
+
+    sync_every: int = Field(default=1, gt=0)
+    """Learner steps between weight publications (each publication is version + 1)."""
+
+    bucket_size_mb: float = Field(default=256.0, gt=0)
+    """Size of one flat transfer buffer per dtype."""
+
+    inflight: Literal["keep", "drain"] = "keep"
+    """During an update, in-flight requests continue on the new weights (``keep``; tokens carry the
+    version that produced them) or finish on the old ones first (``drain``)."""
+
+    prepare_timeout_s: float = Field(default=30.0, gt=0)
+    """Deadline for a receiver to pause and get ready."""
+
+    transfer_timeout_s: float = Field(default=120.0, gt=0)
+    """Deadline for the bucket transfer."""
+
+    commit_timeout_s: float = Field(default=60.0, gt=0)
+    """Deadline for a receiver to load the weights and resume."""
+
+    snapshot_every: int = Field(default=1, ge=0)
+    """Also write a filesystem snapshot every N publications so late servers catch up; 0: never
+    (beyond the filesystem transport itself)."""
+
+    keep_snapshots: int = Field(default=2, gt=0)
+    """Snapshots kept on disk."""

