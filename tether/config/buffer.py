@@ -35,5 +35,14 @@ class BufferConfig(Section):
     compress_min_bytes: int = Field(default=256 * 1024, ge=0)
     """Payloads smaller than this are stored uncompressed."""
 
+    compress_level: int = Field(default=1, ge=1, le=9)
+    """zlib level when compressing (1: fastest; higher levels cost much CPU for little gain on log-probs)."""
+
+    dedup_ttl_s: float = Field(default=3600.0, gt=0)
+    """How long a group id is remembered, so a retried insert within this window is not duplicated."""
+
+    dead_letter_maxlen: int = Field(default=1000, gt=0)
+    """Approximate cap on dead-letter entries kept (oldest trimmed first; the counter keeps the total)."""
+
     appendonly: bool = False
     """Embedded Redis only: turn on the append-only file (fsync every second)."""

@@ -112,6 +112,12 @@ class LearnerConfig(Section):
 
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    """Serve Prometheus metrics from learner rank 0 on this port (0: a free one); empty: off."""
+
+    read_timeout_s: float = Field(default=0.0, ge=0)
+    """Give up (exit with an error) when no trajectory group arrives for this long; 0: wait forever."""
+
     @model_validator(mode="after")
     def _mini_batch_divides(self) -> LearnerConfig:
         mini = self.ppo_mini_batch_size

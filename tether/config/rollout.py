@@ -170,6 +170,10 @@ class RolloutConfig(Section):
     drain_timeout_s: float = Field(default=30.0, gt=0)
     """On SIGTERM, how long in-flight work may take before it is returned to the stream."""
 
+    reward_attempts: int = Field(default=2, gt=0)
+    """Times a group's scoring is attempted (each with the reward's own retries) before the group is
+    dead-lettered and its prompt acknowledged."""
+
     @model_validator(mode="after")
     def _tls_pair(self) -> RolloutConfig:
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -1,0 +1,176 @@
+"""Buffer throughput against raw Redis commands on the same bytes, measured in the same run.
+
+    python bench/buffer.py [--quick] [--redis-url URL] [--compression none|zlib]
+
+For groups of G=8 completions of 1K, 4K and 16K tokens (int32 ids, float32 log-probs, int32 versions,
+uint8 masks — what a rollout server writes), it times put → read → ack through ``buffer`` (including
+protobuf encode and decode) and then XADD / XREADGROUP / XACK of the already-encoded bytes with plain
+redis-py, in the same pattern: a learner batch of 8 groups is put one by one, read in one call and
+acknowledged in one call. It prints groups/s, MB/s, the ratio buffer/raw (goal ≥ 0.8) and the
+serialization cost per group. Without ``--redis-url`` it starts an embedded redis-server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from a checkout
+
+from buffer import RedisKeys, TrajectoryReader, TrajectoryWriter, encode_payload
+from buffer.codec import decode_payload
+from tether.config.buffer import BufferConfig
+from tether.redis_server import EmbeddedRedis, connect_redis
+from tether.trajectory import GroupData, TrajectoryData
+
+G = 8
+BATCH = 8
+PROMPT_TOKENS = 256
+VOCAB = 151_936
+
+
+def make_group(tokens: int, rng: np.random.Generator, *, version: int = 3) -> GroupData:
+    trajs = []
+    for _ in range(G):
+        versions = np.full(tokens, version, dtype=np.int32)
+        versions[: tokens // 3] = version - 1  # a weight update landed mid-generation
+        mask = np.ones(tokens, dtype=np.uint8)
+        mask[tokens // 2 : tokens // 2 + tokens // 16] = 0  # an environment turn inside the completion
+        trajs.append(
+            TrajectoryData(
+                prompt_token_ids=rng.integers(0, VOCAB, PROMPT_TOKENS, dtype=np.int32),
+                completion_token_ids=rng.integers(0, VOCAB, tokens, dtype=np.int32),
+                behavior_logprobs=np.log(rng.random(tokens, dtype=np.float32) + 1e-6),
+                policy_versions=versions,
+                loss_mask=mask,
+                reward=float(rng.random()),
+                server_id="rollout-0",
+            )
+        )
+    return GroupData(group_id=uuid.uuid4().hex, trajectories=trajs, prompt_id="0-1")
+
+
+def time_serialization(group: GroupData, cfg: BufferConfig, reps: int) -> tuple[float, float, int]:
+    """(encode µs, decode µs, payload bytes) per group, median of ``reps``."""
+    enc, dec = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        codec, payload = encode_payload(
+            group, compression=cfg.compression, compress_min_bytes=cfg.compress_min_bytes, level=cfg.compress_level
+        )
+        t1 = time.perf_counter()
+        decode_payload(codec, payload)
+        t2 = time.perf_counter()
+        enc.append(t1 - t0)
+        dec.append(t2 - t1)
+    return statistics.median(enc) * 1e6, statistics.median(dec) * 1e6, len(payload)
+
+
+def run_buffer(client, groups: list[GroupData], cfg: BufferConfig) -> float:
+    keys = RedisKeys(f"bench-{uuid.uuid4().hex[:8]}")
+    writer = TrajectoryWriter(client, keys, cfg)
+    reader = TrajectoryReader(client, keys, cfg, consumer="bench")
+    t0 = time.perf_counter()
+    for start in range(0, len(groups), BATCH):
+        batch = groups[start : start + BATCH]
+        for g in batch:
+            writer.put(g)
+        got = reader.read(len(batch), current_version=3, max_staleness=4, block_ms=1000)
+        assert len(got) == len(batch), f"read {len(got)} of {len(batch)}"
+        reader.ack([b.entry_id for b in got])
+    elapsed = time.perf_counter() - t0
+    client.delete(*[keys.trajectories, keys.counters, keys.staleness])
+    for g in groups:
+        client.delete(keys.seen(g.group_id))
+    return elapsed
+
+
+def run_raw(client, payloads: list[bytes]) -> float:
+    stream = f"bench-raw-{uuid.uuid4().hex[:8]}"
+    client.xgroup_create(stream, "g", id="0", mkstream=True)
+    t0 = time.perf_counter()
+    for start in range(0, len(payloads), BATCH):
+        batch = payloads[start : start + BATCH]
+        for p in batch:
+            client.xadd(stream, {"d": p})
+        got = client.xreadgroup("g", "bench", {stream: ">"}, count=len(batch), block=1000)
+        ids = [i for i, _ in got[0][1]]
+        assert len(ids) == len(batch)
+        client.xack(stream, "g", *ids)
+    elapsed = time.perf_counter() - t0
+    client.delete(stream)
+    return elapsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a few groups per size: a smoke run, not a measurement")
+    ap.add_argument("--redis-url", default="", help="benchmark this Redis (default: start an embedded one)")
+    ap.add_argument("--compression", choices=["none", "zlib"], default="none", help="buffer.compression to measure")
+    ap.add_argument("--repeats", type=int, default=0, help="timed repeats per size (best is reported)")
+    args = ap.parse_args(argv)
+
+    sizes = [1024, 4096, 16384]
+    budget = 16 * 2**20 if args.quick else 192 * 2**20  # payload bytes per size and path
+    repeats = args.repeats or (1 if args.quick else 3)
+    cfg = BufferConfig(compression=args.compression, max_trajectory_groups=10**6, max_trajectory_bytes=2**40)
+    rng = np.random.default_rng(0)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        embedded = None if args.redis_url else EmbeddedRedis(tmp)
+        url = args.redis_url or embedded.start()
+        try:
+            client = connect_redis(url)
+            version = client.info("server")["redis_version"]
+            print(f"redis {version}, G={G}, batch {BATCH} groups, compression {args.compression}, repeats {repeats}")
+            header = (
+                f"{'tokens':>6} {'MB/group':>8} {'buffer g/s':>10} {'raw g/s':>9} {'buffer MB/s':>11} "
+                f"{'raw MB/s':>9} {'ratio':>6} {'encode µs':>10} {'decode µs':>10}"
+            )
+            print(header)
+            print("-" * len(header))
+            for tokens in sizes:
+                template = make_group(tokens, rng)
+                enc_us, dec_us, nbytes = time_serialization(template, cfg, reps=3 if args.quick else 10)
+                n = max(BATCH, min(256, budget // nbytes) // BATCH * BATCH)
+                groups = [make_group(tokens, rng) for _ in range(n)]
+                payloads = [
+                    encode_payload(
+                        g,
+                        compression=args.compression,
+                        compress_min_bytes=cfg.compress_min_bytes,
+                        level=cfg.compress_level,
+                    )[1]
+                    for g in groups
+                ]
+                raw_bytes = sum(len(p) for p in payloads)
+                buf_s, raw_s = [], []
+                for _ in range(repeats):  # interleaved so drift in the machine hits both paths alike
+                    for g in groups:  # fresh ids: a re-put of a known group id is (rightly) a no-op
+                        g.group_id = uuid.uuid4().hex
+                        for t in g.trajectories:
+                            t.group_id = g.group_id
+                    raw_s.append(run_raw(client, payloads))
+                    buf_s.append(run_buffer(client, groups, cfg))
+                b, r = min(buf_s), min(raw_s)
+                print(
+                    f"{tokens:>6} {nbytes / 2**20:>8.2f} {n / b:>10.1f} {n / r:>9.1f} {raw_bytes / 2**20 / b:>11.1f} "
+                    f"{raw_bytes / 2**20 / r:>9.1f} {r / b:>6.2f} {enc_us:>10.0f} {dec_us:>10.0f}"
+                )
+            client.close()
+        finally:
+            if embedded is not None:
+                embedded.stop()
+    print("ratio = buffer throughput / raw XADD+XREADGROUP+XACK throughput on the same bytes (goal >= 0.8)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

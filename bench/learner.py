@@ -1,0 +1,105 @@
+"""Learner tokens/s, packed (``use_remove_padding`` + dynamic batching) vs padded, on RL-like lengths.
+
+    python bench/learner.py [--quick]
+
+Same model, same groups, same process: completion lengths are long-tailed (log-uniform 16..1024 tokens),
+which is where padding to the longest sequence of a micro-batch wastes most compute. Prints tokens/s of
+each layout and the ratio (and MFU on GPU). Timing is never asserted anywhere; a test only runs --quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small model and batch (seconds on CPU)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per layout")
+    args = p.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    from learner.parallelize import load_model, parallelize
+    from learner.synthetic import make_groups
+    from learner.telemetry import peak_flops, train_flops
+    from learner.trainer import Trainer
+    from tether.config import TetherConfig
+    from tether.redis_server import free_port
+    from tether.tiny_model import make_tiny_model
+
+    quick = args.quick
+    steps = args.steps or (1 if quick else 3)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    hidden, layers, heads = (64, 2, 2) if quick else ((1024, 8, 16) if cuda else (256, 4, 4))
+    max_len = 256 if quick else 1024
+    n_groups, group_size = (4, 4) if quick else ((32, 8) if cuda else (8, 8))
+    budget = 2048 if quick else (16384 if cuda else 4096)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model(tmp, hidden=hidden, layers=layers, heads=heads, max_position=2048)
+        batches = [
+            make_groups(n_groups, group_size, vocab=256, seed=s, completion_len=(16, max_len), log_uniform=True)
+            for s in range(steps + 1)
+        ]
+        results = {}
+        for name, packed in (("padded", False), ("packed", True)):
+            cfg = TetherConfig.model_validate(
+                {
+                    "model": {"path": str(model_dir)},
+                    "rollout": {"max_tokens": max_len},
+                    "learner": {
+                        "train_batch_size": n_groups,
+                        "use_remove_padding": packed,
+                        "use_dynamic_bsz": packed,
+                        "micro_batch_size_per_gpu": 8,
+                        "max_token_len_per_gpu": budget,
+                        "lr": 1e-5,
+                    },
+                }
+            )
+            model = parallelize(load_model(cfg, device), cfg, device)
+            trainer = Trainer(cfg, model, device=device, ref_model=None)
+            trainer.train_step(batches[0], version=0)  # warm-up (allocator, kernels)
+            tokens, seconds = 0.0, 0.0
+            for batch in batches[1:]:
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = trainer.train_step(batch, version=0)
+                if cuda:
+                    torch.cuda.synchronize()
+                seconds += time.perf_counter() - t0
+                tokens += out["learner/tokens"]
+            n_params = sum(p.numel() for p in model.parameters())
+            results[name] = (tokens / seconds, tokens, seconds, n_params)
+            del trainer, model
+        dist.destroy_process_group()
+    peak = peak_flops(device)
+    for name, (tps, tokens, seconds, n_params) in results.items():
+        line = f"{name:>7}: {tps:10.0f} tokens/s ({tokens:.0f} tokens in {seconds:.2f}s)"
+        if peak:
+            mfu = train_flops(n_params, int(tokens), forward_passes=1) / (seconds * peak)
+            line += f"  MFU {100 * mfu:.1f}%"
+        print(line)
+    ratio = results["packed"][0] / results["padded"][0]
+    print(f"packed/padded tokens/s ratio: {ratio:.2f}x (goal >= 1.5x) on {device.type}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

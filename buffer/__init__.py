@@ -1,0 +1,34 @@
+"""The Redis buffer between rollout servers and the learner (see docs/ARCHITECTURE.md, ``buffer/``).
+
+Streams under ``tether:{run_id}:``: ``prompts`` (learner rank 0 → rollout servers, admission-controlled),
+``trajectories`` (one protobuf entry per GRPO group, idempotent and bounded, acknowledged after the
+optimizer step that used it) and ``dead_letter``; plus the published version, the server registry and
+counters. No pickle: payloads are protobuf, registry entries JSON.
+"""
+
+from buffer.codec import admission_allowance, decode_payload, encode_payload
+from buffer.keys import LEARNER_GROUP, PROMPT_GROUP, RedisKeys
+from buffer.prompts import PromptQueue
+from buffer.reader import BufferedGroup, TrajectoryReader
+from buffer.registry import ServerInfo, ServerRegistry, publish_version, read_version
+from buffer.stats import buffer_stats
+from buffer.writer import BufferFull, TrajectoryWriter
+
+__all__ = [
+    "LEARNER_GROUP",
+    "PROMPT_GROUP",
+    "BufferFull",
+    "BufferedGroup",
+    "PromptQueue",
+    "RedisKeys",
+    "ServerInfo",
+    "ServerRegistry",
+    "TrajectoryReader",
+    "TrajectoryWriter",
+    "admission_allowance",
+    "buffer_stats",
+    "decode_payload",
+    "encode_payload",
+    "publish_version",
+    "read_version",
+]

@@ -1,0 +1,72 @@
+"""Every Redis key of a run, in one place, so no module spells a key by hand.
+
+All keys live under ``tether:{run_id}:`` so several runs can share one Redis and ``tether status``
+can find a run by its id alone. Consumer-group names are constants here for the same reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PROMPT_GROUP = "rollout"
+"""Consumer group of the rollout servers on the prompts stream."""
+
+LEARNER_GROUP = "learner"
+"""Consumer group of the learner on the trajectories stream."""
+
+
+@dataclass(frozen=True)
+class RedisKeys:
+    run_id: str
+
+    @property
+    def prefix(self) -> str:
+        return f"tether:{self.run_id}:"
+
+    @property
+    def prompts(self) -> str:
+        """Stream of ``Prompt`` protobufs, fed by learner rank 0."""
+        return self.prefix + "prompts"
+
+    @property
+    def trajectories(self) -> str:
+        """Stream of ``TrajectoryGroup`` entries; an entry is deleted once acknowledged."""
+        return self.prefix + "trajectories"
+
+    @property
+    def dead_letter(self) -> str:
+        """Stream of entries that could not be used, each with the reason (capped in length)."""
+        return self.prefix + "dead_letter"
+
+    @property
+    def version(self) -> str:
+        """The published policy version (an integer string)."""
+        return self.prefix + "version"
+
+    @property
+    def counters(self) -> str:
+        """Hash of monotonic counters (produced, acknowledged, ...) and the live byte total."""
+        return self.prefix + "counters"
+
+    @property
+    def staleness(self) -> str:
+        """Hash lag -> number of groups trained on with that staleness."""
+        return self.prefix + "staleness"
+
+    @property
+    def servers(self) -> str:
+        """Set of rollout-server ids that have heartbeated (an index; liveness is the per-server key)."""
+        return self.prefix + "servers"
+
+    def server(self, server_id: str) -> str:
+        """One rollout server's heartbeat: JSON ``ServerInfo`` with a TTL, gone when the server is."""
+        return self.prefix + "server:" + server_id
+
+    def seen(self, group_id: str) -> str:
+        """Idempotency marker of a group id (SET NX with a TTL), so a retried insert is a no-op."""
+        return self.prefix + "seen:" + group_id
+
+    @property
+    def learner(self) -> str:
+        """Hash the learner publishes for dashboards: ``step``, ``reward_mean``, ``tokens_per_s``, ..."""
+        return self.prefix + "learner"

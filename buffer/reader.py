@@ -1,0 +1,206 @@
+"""The learner's side of the trajectories stream: at-least-once delivery, acknowledged after training.
+
+The learner reads with consumer group ``learner`` and acknowledges an entry only after the optimizer
+step that used it, so a learner killed in between gets the entry again: :meth:`TrajectoryReader.recover`
+takes back its own unacknowledged entries on restart, and entries left pending by a consumer that
+vanished are claimed (XAUTOCLAIM) once idle for ``claim_idle_ms``. Every entry ends in exactly one
+counter — ``acknowledged``, ``dropped_stale`` or ``dead_letter`` — so produced = those + what is still
+in the stream, and nothing is lost silently. Stale groups are dropped from their header alone, before
+any decoding; the read path is one XREADGROUP, with bookkeeping piggy-backed on the next ack.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import redis
+
+from buffer.codec import F_DATA, decode_payload, read_header, staleness_of
+from buffer.keys import LEARNER_GROUP, RedisKeys
+from buffer.scripts import Scripts, ensure_group
+from buffer.settle import Settlement
+from tether.config.buffer import BufferConfig
+from tether.logs import get_logger
+from tether.trajectory import GroupData, InvalidTrajectory
+
+log = get_logger(__name__)
+
+_RECOVER_PAGE = 256
+
+Entry = tuple[str, dict[bytes, bytes] | None, int]  # (id, fields, times delivered)
+
+
+@dataclass
+class BufferedGroup:
+    entry_id: str
+    group: GroupData
+    staleness: int
+
+
+def _sid(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+class TrajectoryReader:
+    def __init__(self, client: redis.Redis, keys: RedisKeys, cfg: BufferConfig, *, consumer: str = "learner-0") -> None:
+        self.client = client
+        self.keys = keys
+        self.cfg = cfg
+        self.consumer = consumer
+        self._scripts = Scripts(client)
+        self._backlog: deque[Entry] = deque()
+        self._inflight: dict[str, tuple[int, int]] = {}  # entry id -> (payload bytes, staleness)
+        self._consumed = 0  # delivered since the last flush; sent with the next settle (no extra round trip)
+        self._next_claim = 0.0
+        self._claim_every_s = min(1.0, cfg.claim_idle_ms / 2000)
+        ensure_group(client, keys.trajectories, LEARNER_GROUP)
+
+    # -- taking entries back -------------------------------------------------------------------------
+    def recover(self) -> int:
+        """Queue this consumer's read-but-unacknowledged entries, then idle ones of vanished consumers,
+        to be returned by the next reads before anything new; how many were queued."""
+        queued = 0
+        start = "0"
+        while True:
+            reply = self.client.xreadgroup(
+                LEARNER_GROUP, self.consumer, {self.keys.trajectories: start}, count=_RECOVER_PAGE
+            )
+            entries = reply[0][1] if reply else []
+            if not entries:
+                break
+            queued += self._queue_with_deliveries(entries)
+            start = _sid(entries[-1][0])
+        queued += self._autoclaim()
+        if queued:
+            log.info("buffer_recovered", consumer=self.consumer, entries=queued)
+        return queued
+
+    def _autoclaim(self) -> int:
+        self._next_claim = time.monotonic() + self._claim_every_s
+        queued, start = 0, "0-0"
+        while True:
+            reply = self.client.xautoclaim(
+                self.keys.trajectories, LEARNER_GROUP, self.consumer, self.cfg.claim_idle_ms, start, count=_RECOVER_PAGE
+            )
+            # Redis 6.2 reports entries deleted while pending as (None, None); 7.x drops them from the PEL.
+            entries = [(i, f) for i, f in reply[1] if i is not None]
+            queued += self._queue_with_deliveries(entries)
+            start = _sid(reply[0])
+            if start == "0-0":
+                return queued
+
+    def _queue_with_deliveries(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]]) -> int:
+        if not entries:
+            return 0
+        # An entry this reader already handed out (a learner step longer than claim_idle_ms) is in use,
+        # not abandoned: queueing it again would train on it twice.
+        entries = [(i, f) for i, f in entries if _sid(i) not in self._inflight]
+        if not entries:
+            return 0
+        ids = [_sid(i) for i, _ in entries]
+        pending = self.client.xpending_range(
+            self.keys.trajectories, LEARNER_GROUP, min=ids[0], max=ids[-1], count=len(ids), consumername=self.consumer
+        )
+        deliveries = {_sid(p["message_id"]): int(p["times_delivered"]) for p in pending}
+        for eid, (_, fields) in zip(ids, entries, strict=True):
+            self._backlog.append((eid, fields, deliveries.get(eid, 1)))
+        return len(entries)
+
+    # -- reading ---------------------------------------------------------------------------------------
+    def read(
+        self, n_groups: int, *, current_version: int, max_staleness: int, block_ms: int = 1000
+    ) -> list[BufferedGroup]:
+        """Up to ``n_groups`` usable groups, waiting at most about ``block_ms`` for them to arrive.
+
+        Stale groups are acknowledged and counted as ``dropped_stale``; undecodable ones, and ones
+        delivered more than ``max_deliveries`` times, go to the dead-letter stream with the reason.
+        """
+        out: list[BufferedGroup] = []
+        deadline = time.monotonic() + block_ms / 1000
+        while len(out) < n_groups:
+            want = n_groups - len(out)
+            if not self._backlog and time.monotonic() >= self._next_claim:
+                self._autoclaim()
+            batch = [self._backlog.popleft() for _ in range(min(want, len(self._backlog)))]
+            if not batch:
+                remaining_ms = int((deadline - time.monotonic()) * 1000)
+                reply = self.client.xreadgroup(
+                    LEARNER_GROUP,
+                    self.consumer,
+                    {self.keys.trajectories: ">"},
+                    count=want,
+                    block=remaining_ms if remaining_ms >= 1 else None,  # BLOCK 0 would wait forever
+                )
+                batch = [(_sid(i), f, 1) for i, f in reply[0][1]] if reply else []
+            if not batch:
+                break
+            out.extend(self._accept(batch, current_version=current_version, max_staleness=max_staleness))
+        return out
+
+    def _accept(self, batch: list[Entry], *, current_version: int, max_staleness: int) -> list[BufferedGroup]:
+        good: list[BufferedGroup] = []
+        settle = Settlement()
+        for eid, fields, delivered in batch:
+            if not fields:  # deleted while pending (only by hand): nothing to deliver, just release it
+                settle.add("", eid, nbytes=0)
+                continue
+            head = read_header(fields)
+            if delivered > self.cfg.max_deliveries:
+                reason = f"delivered {delivered} times (buffer.max_deliveries {self.cfg.max_deliveries})"
+                settle.add("dead_letter", eid, nbytes=head.nbytes, reason=reason)
+                continue
+            if head.oldest_version is not None and staleness_of(head.oldest_version, current_version) > max_staleness:
+                settle.add("dropped_stale", eid, nbytes=head.nbytes)
+                continue
+            try:
+                group = decode_payload(head.codec, fields.get(F_DATA, b""))
+            except InvalidTrajectory as e:
+                settle.add("dead_letter", eid, nbytes=head.nbytes, reason=f"undecodable: {e}"[:500])
+                continue
+            lag = staleness_of(group.oldest_version, current_version)
+            if lag > max_staleness:  # the header lied or was missing: the payload is what counts
+                settle.add("dropped_stale", eid, nbytes=head.nbytes)
+                continue
+            self._inflight[eid] = (head.nbytes, lag)
+            good.append(BufferedGroup(entry_id=eid, group=group, staleness=lag))
+        self._consumed += len(good)
+        if settle:
+            reasons = [row[3] for row in settle.by_counter.get("dead_letter", [])]
+            done = self._send(settle)
+            if done.get("dead_letter"):
+                log.warning(
+                    "buffer_dead_lettered", consumer=self.consumer, entries=done["dead_letter"], first_reason=reasons[0]
+                )
+        return good
+
+    # -- acknowledging ---------------------------------------------------------------------------------
+    def ack(self, entry_ids: list[str]) -> None:
+        """Acknowledge (and delete) entries after the optimizer step that used them; repeats are no-ops."""
+        settle = Settlement()
+        for eid in entry_ids:
+            nbytes, lag = self._inflight.pop(eid, (None, None))
+            settle.add("acknowledged", eid, nbytes=nbytes, lag=lag)
+        self._send(settle)
+
+    def _send(self, settle: Settlement) -> dict[str, int]:
+        consumed, self._consumed = self._consumed, 0
+        try:
+            return settle.send(
+                self.client,
+                self._scripts,
+                self.keys,
+                stream=self.keys.trajectories,
+                group=LEARNER_GROUP,
+                consumer=self.consumer,
+                dead_letter_maxlen=self.cfg.dead_letter_maxlen,
+                consumed=consumed,
+            )
+        except BaseException:
+            self._consumed += consumed
+            raise
+
+    def unacknowledged(self) -> int:
+        """Entries this reader has handed out and not yet acknowledged."""
+        return len(self._inflight)

@@ -1,0 +1,35 @@
+"""Learner entry point; the config is validated before torch is imported, so a bad one fails at once.
+
+    torchrun --nproc_per_node N -m learner --config runs/<run>/config.yaml [--resume] [--learner.lr 1e-6 ...]
+
+``tether learner`` and ``tether up`` build this command (``tether.launcher.learner_command``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="learner", description="tether's FSDP2 learner (run it under torchrun)")
+    parser.add_argument("--config", required=True, help="resolved YAML config of the run")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    args, overrides = parser.parse_known_args(argv)
+    from tether.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, overrides)
+    except (ConfigError, OSError) as e:
+        print(f"learner: {e}", file=sys.stderr)
+        return 2
+    if cfg.run.run_id is None:
+        print("learner: run.run_id is empty; every process of a run must share one", file=sys.stderr)
+        return 2
+    from learner.main import run
+
+    return run(cfg, resume=args.resume)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Rank 0's side of the buffer: prompts in under admission control, one step's groups out.
+
+The dataset position resumes from the larger of the checkpoint's and the buffer's ``issued`` counter:
+when Redis outlived the learner, the prompts issued after the checkpoint are still in the prompts
+stream (or already answered in the trajectories stream), so issuing them again would repeat data.
+"""
+
+from __future__ import annotations
+
+import time
+
+from buffer import BufferedGroup, PromptQueue, RedisKeys, TrajectoryReader
+from learner.data import PromptSource
+from tether.config import TetherConfig
+from tether.logs import get_logger
+
+log = get_logger(__name__)
+
+
+class DataTimeout(RuntimeError):
+    """No trajectory group arrived within ``learner.read_timeout_s``."""
+
+
+class Feed:
+    def __init__(self, cfg: TetherConfig, client, *, data_position: int) -> None:
+        self.cfg = cfg
+        self.keys = RedisKeys(cfg.run.run_id)
+        self.queue = PromptQueue(client, self.keys, claim_idle_ms=cfg.buffer.claim_idle_ms)
+        self.reader = TrajectoryReader(client, self.keys, cfg.buffer, consumer="learner-0")
+        start = max(data_position, self.queue.issued())
+        self.source = PromptSource(cfg, start=start)
+        recovered = self.reader.recover()
+        self.prompts_per_version = cfg.learner.train_batch_size * cfg.weight_sync.sync_every
+        log.info("feed_started", dataset_position=start, recovered_groups=recovered)
+
+    @property
+    def position(self) -> int:
+        return self.source.position
+
+    def feed(self, version: int) -> int:
+        return self.queue.feed(
+            self.source,
+            version=version,
+            prompts_per_version=self.prompts_per_version,
+            max_staleness=self.cfg.algorithm.max_staleness,
+        )
+
+    def next_batch(self, version: int) -> list[BufferedGroup]:
+        """Exactly ``train_batch_size`` usable groups (waits for them; feeds prompts while waiting)."""
+        want = self.cfg.learner.train_batch_size
+        timeout = self.cfg.learner.read_timeout_s
+        got: list[BufferedGroup] = []
+        last_progress = time.monotonic()
+        while len(got) < want:
+            self.feed(version)
+            new = self.reader.read(
+                want - len(got), current_version=version, max_staleness=self.cfg.algorithm.max_staleness, block_ms=500
+            )
+            if new:
+                got.extend(new)
+                last_progress = time.monotonic()
+            elif timeout and time.monotonic() - last_progress > timeout:
+                raise DataTimeout(
+                    f"no trajectory group for {timeout:.0f}s (learner.read_timeout_s) — are rollout servers running "
+                    f"for run {self.cfg.run.run_id!r}?"
+                )
+        return got
+
+    def ack(self, batch: list[BufferedGroup]) -> None:
+        self.reader.ack([b.entry_id for b in batch])

@@ -1,0 +1,99 @@
+"""Token log-probs and entropies from a causal LM over one micro-batch, with a bounded vocab peak.
+
+The LM head runs only on the positions that predict completion tokens (``logits_to_keep`` with an
+index tensor), so logits are ``[N_completion, vocab]``. Log-softmax and entropy then go over those rows
+in chunks: the full softmax of a long batch would otherwise hold a second and third ``[N, vocab]``
+float32 tensor at once. With ``checkpoint=True`` each chunk's entropy is recomputed in backward instead
+of keeping its softmax alive (``entropy_checkpointing``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+from learner.packing import MicroBatch
+
+DEFAULT_CHUNK = 2048
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) per row: [N, V] -> [N] (float32)."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    return lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def entropy_from_logits_with_chunking(
+    logits: Tensor, *, chunk_size: int = DEFAULT_CHUNK, checkpoint: bool = False
+) -> Tensor:
+    """Same as :func:`entropy_from_logits`, ``chunk_size`` rows at a time."""
+    parts = []
+    for start in range(0, logits.shape[0], chunk_size):
+        chunk = logits[start : start + chunk_size]
+        if checkpoint and chunk.requires_grad:
+            parts.append(_checkpoint(entropy_from_logits, chunk, use_reentrant=False))
+        else:
+            parts.append(entropy_from_logits(chunk))
+    return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
+
+
+def logprobs_from_logits(logits: Tensor, targets: Tensor, *, chunk_size: int = DEFAULT_CHUNK) -> Tensor:
+    """log softmax(logits)[target] per row in float32: [N, V], [N] -> [N]."""
+    parts = []
+    for start in range(0, logits.shape[0], chunk_size):
+        chunk = logits[start : start + chunk_size].float()
+        tgt = targets[start : start + chunk_size]
+        parts.append(chunk.gather(-1, tgt[:, None]).squeeze(-1) - torch.logsumexp(chunk, dim=-1))
+    return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
+
+
+def forward_micro_batch(
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    *,
+    device: torch.device,
+    with_entropy: bool = False,
+    chunked_entropy: bool = True,
+    entropy_checkpointing: bool = False,
+    entropy_grad: bool = True,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> tuple[Tensor, Tensor | None]:
+    """Run the model on one micro-batch; returns ``(logprobs [N], entropy [N] | None)`` in float32.
+
+    An empty micro-batch must go through :func:`dummy_loss` instead.
+    """
+    if mb.empty:
+        raise ValueError("forward_micro_batch got an empty micro-batch; use dummy_loss")
+    input_ids = mb.input_ids.to(device, non_blocking=True)
+    position_ids = mb.position_ids.to(device, non_blocking=True)
+    index = mb.logit_index.to(device, non_blocking=True)
+    kwargs = {"use_cache": False}
+    if mb.attention_mask is not None:
+        kwargs["attention_mask"] = mb.attention_mask.to(device, non_blocking=True)
+        logits = model(input_ids=input_ids, position_ids=position_ids, **kwargs).logits
+        logits = logits.reshape(-1, logits.shape[-1])[index]
+    else:
+        # No attention mask + restarting position ids: transformers' packed-sequence path.
+        logits = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=index, **kwargs).logits[0]
+    targets = mb.targets.to(device, non_blocking=True)
+    logprobs = logprobs_from_logits(logits, targets, chunk_size=chunk_size)
+    entropy = None
+    if with_entropy and not entropy_grad:
+        # Entropy only as a metric: no graph, no saved softmax.
+        with torch.no_grad():
+            entropy = entropy_from_logits_with_chunking(logits.detach(), chunk_size=chunk_size)
+    elif with_entropy:
+        if chunked_entropy:
+            entropy = entropy_from_logits_with_chunking(logits, chunk_size=chunk_size, checkpoint=entropy_checkpointing)
+        else:
+            entropy = entropy_from_logits(logits)
+    return logprobs, entropy
+
+
+def dummy_loss(model: torch.nn.Module, mb: MicroBatch, *, device: torch.device) -> Tensor:
+    """A zero connected to every parameter: the backward of a rank with less work than the others must
+    still run the same FSDP collectives, or the ranks deadlock."""
+    out = model(input_ids=mb.input_ids.to(device), position_ids=mb.position_ids.to(device), use_cache=False)
+    return out.logits.float().sum() * 0.0

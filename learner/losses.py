@@ -1,0 +1,209 @@
+"""Advantages and the policy loss as pure functions over flat per-token tensors.
+
+Every function takes the tokens of one micro-batch laid out flat (``[N]``, the packed layout: one entry
+per *completion* token, sequences one after another) plus ``seq_ids: [N]`` naming each token's
+sequence, and returns ``(loss, metrics)``. Nothing here knows about models, ranks or the buffer.
+
+Normalisation is global: the denominators (trained tokens, sequences) of the whole mini-batch on all
+ranks are passed in, so summing the returned losses over micro-batches and ranks gives exactly the
+loss of the mini-batch as if it had been one tensor. That is what makes a 2-rank step equal a 1-rank
+step, and micro-batching a pure memory lever. Metrics follow the same rule: each value is this
+micro-batch's contribution to a mini-batch mean (sum them), except keys ending in ``_max`` (take the
+max).
+
+GRPO, Dr.GRPO and DAPO are all :func:`policy_loss` (PPO-clip with asymmetric and dual clip, decoupled
+importance weights) with particular settings, not branches of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def group_advantages(rewards: Tensor, group_ids: Tensor, *, norm_by_std: bool, eps: float = 1e-6) -> Tensor:
+    """GRPO advantages: reward minus its group's mean, optionally over the group's (unbiased) std.
+
+    rewards: [S] float; group_ids: [S] long in ``0..G-1``. Returns [S]. A group of one sample has no
+    baseline and gets advantage 0 (it carries no relative signal). Dr.GRPO is ``norm_by_std=False``.
+    """
+    rewards = rewards.double()
+    n_groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
+    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, torch.ones_like(rewards))
+    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, rewards) / count
+    adv = rewards - mean[group_ids]
+    if norm_by_std:
+        sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, adv * adv)
+        std = (sq / (count - 1).clamp(min=1)).sqrt()
+        adv = adv / (std[group_ids] + eps)
+    return torch.where(count[group_ids] > 1, adv, torch.zeros_like(adv)).float()
+
+
+def importance_weights(
+    proximal_logprobs: Tensor,
+    behavior_logprobs: Tensor,
+    seq_ids: Tensor,
+    mask: Tensor,
+    *,
+    cap: float,
+    level: str,
+    mode: str,
+) -> tuple[Tensor, Tensor]:
+    """Truncated importance weights proximal / behaviour (decoupled PPO's off-policy correction).
+
+    All inputs [N]; ``mask`` is 1.0 for trained tokens. ``level="token"``: one weight per token;
+    ``"sequence"``: the geometric mean over the sequence's trained tokens, shared by its tokens.
+    ``mode="truncate"``: ``min(w, cap)``; ``"mask"``: tokens (or sequences) with ``w > cap`` get weight 0.
+    Returns ``(weights [N] detached, capped [N] bool)``.
+    """
+    log_w = (proximal_logprobs - behavior_logprobs).detach() * mask
+    if level == "sequence":
+        n_seq = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
+        tot = torch.zeros(n_seq, dtype=log_w.dtype, device=log_w.device).index_add_(0, seq_ids, log_w)
+        cnt = torch.zeros(n_seq, dtype=log_w.dtype, device=log_w.device).index_add_(0, seq_ids, mask)
+        log_w = (tot / cnt.clamp(min=1))[seq_ids]
+    elif level != "token":
+        raise ValueError(f"tis_level must be 'token' or 'sequence', not {level!r}")
+    # Clamp before exp: a wild log-ratio must not become inf (inf * 0 would be NaN under the mask).
+    w = torch.exp(log_w.clamp(-20.0, 20.0))
+    capped = w > cap
+    if mode == "truncate":
+        w = w.clamp(max=cap)
+    elif mode == "mask":
+        w = torch.where(capped, torch.zeros_like(w), w)
+    else:
+        raise ValueError(f"tis_mode must be 'truncate' or 'mask', not {mode!r}")
+    return w, capped
+
+
+def aggregate(
+    values: Tensor,
+    mask: Tensor,
+    seq_ids: Tensor,
+    *,
+    mode: str,
+    global_tokens: float,
+    global_seqs: float,
+    seq_token_counts: Tensor | None = None,
+    norm_len: float = 1.0,
+) -> Tensor:
+    """This micro-batch's share of the mini-batch aggregate of per-token ``values``.
+
+    values, mask, seq_ids: [N]. ``global_tokens``/``global_seqs``: trained tokens and sequences of the
+    whole mini-batch (all ranks). ``seq_token_counts``: [S] trained tokens per local sequence (needed by
+    ``seq-mean-token-mean``; computed from ``mask`` when omitted — correct as long as a sequence is never
+    split across micro-batches, which packing guarantees). ``norm_len``: Dr.GRPO's constant length.
+    """
+    masked = values * mask
+    if mode == "token-mean":
+        return masked.sum() / max(global_tokens, 1.0)
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / max(global_seqs, 1.0)
+    if mode == "seq-mean-token-sum-norm":
+        return masked.sum() / (max(global_seqs, 1.0) * norm_len)
+    if mode == "seq-mean-token-mean":
+        if seq_token_counts is None:
+            n_seq = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
+            seq_token_counts = torch.zeros(n_seq, dtype=mask.dtype, device=mask.device).index_add_(0, seq_ids, mask)
+        per_token = masked / seq_token_counts.clamp(min=1)[seq_ids]
+        return per_token.sum() / max(global_seqs, 1.0)
+    raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, not {mode!r}")
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, *, kind: str) -> Tensor:
+    """Per-token KL(policy || reference) estimate, [N] -> [N]. k1: log ratio; k3: exp(-x) + x - 1."""
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k3":
+        # Clamped as in verl: the estimator is exp(ref - logp); a far-off token must not blow it up.
+        neg = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
+        return (torch.exp(neg) - neg - 1.0).clamp(-10.0, 10.0)
+    raise ValueError(f"kl_loss_type must be 'k1' or 'k3', not {kind!r}")
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The algorithm knobs :func:`policy_loss` reads (a plain copy of ``AlgorithmConfig`` fields)."""
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    tis_imp_ratio_cap: float = 2.0
+    tis_level: str = "token"
+    tis_mode: str = "truncate"
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "k3"
+    entropy_coeff: float = 0.0
+    norm_len: float = 1.0
+
+
+def policy_loss(
+    *,
+    logprobs: Tensor,
+    proximal_logprobs: Tensor,
+    behavior_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    seq_ids: Tensor,
+    global_tokens: float,
+    global_seqs: float,
+    settings: LossSettings,
+    entropy: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Decoupled PPO-clip with asymmetric clip, dual clip, truncated IS, KL and entropy terms.
+
+    All tensors [N] (one per completion token): ``logprobs`` under the current weights (with grad);
+    ``proximal_logprobs`` recomputed before the update (or the behaviour ones when not recomputed);
+    ``behavior_logprobs`` from the rollout; ``advantages`` per token; ``mask`` 1.0 on trained tokens.
+    ratio = exp(logprobs - proximal); per-token loss = w * max(-A*ratio, -A*clip(ratio, 1-lo, 1+hi)),
+    for A < 0 additionally capped at -A*c (dual clip); w = truncated proximal/behaviour weight.
+    Returns the scalar loss share and summable metrics (see the module docstring).
+    """
+    s = settings
+    agg = dict(mode=s.loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=s.norm_len)
+    mask = mask.to(logprobs.dtype)
+    log_ratio = (logprobs - proximal_logprobs.detach()).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1.0 - s.clip_ratio_low, 1.0 + s.clip_ratio_high)
+    clipped = torch.maximum(pg1, pg2)
+    pg3 = -advantages * s.clip_ratio_c
+    dual = torch.minimum(clipped, pg3)
+    pg_tok = torch.where(advantages < 0, dual, clipped)
+    weights, capped = importance_weights(
+        proximal_logprobs, behavior_logprobs, seq_ids, mask, cap=s.tis_imp_ratio_cap, level=s.tis_level, mode=s.tis_mode
+    )
+    pg_loss = aggregate(pg_tok * weights, mask, seq_ids, **agg)
+    total = pg_loss
+    tok_mean = dict(mode="token-mean", global_tokens=global_tokens, global_seqs=global_seqs)
+    metrics: dict[str, Tensor] = {
+        "loss/pg": pg_loss.detach(),
+        "actor/clipfrac": aggregate((pg2 > pg1).float(), mask, seq_ids, **tok_mean),
+        "actor/clipfrac_dual": aggregate(((advantages < 0) & (pg3 < clipped)).float(), mask, seq_ids, **tok_mean),
+        "actor/ppo_kl": aggregate(-log_ratio.detach(), mask, seq_ids, **tok_mean),
+        "actor/iw_mean": aggregate(weights, mask, seq_ids, **tok_mean),
+        "actor/iw_capped_frac": aggregate(capped.float(), mask, seq_ids, **tok_mean),
+        "actor/iw_max": (weights * mask).max() if weights.numel() else weights.new_zeros(()),
+    }
+    if s.use_kl_loss and ref_logprobs is not None:
+        kl_tok = kl_penalty(logprobs, ref_logprobs.detach(), kind=s.kl_loss_type)
+        kl_loss = aggregate(kl_tok, mask, seq_ids, **agg)
+        total = total + s.kl_loss_coef * kl_loss
+        metrics["loss/kl"] = kl_loss.detach()
+        metrics["actor/kl_ref"] = aggregate(kl_tok.detach(), mask, seq_ids, **tok_mean)
+    if entropy is not None:
+        ent_loss = aggregate(entropy, mask, seq_ids, **agg)
+        if s.entropy_coeff:
+            total = total - s.entropy_coeff * ent_loss
+        metrics["loss/entropy"] = ent_loss.detach()
+        metrics["actor/entropy"] = aggregate(entropy.detach(), mask, seq_ids, **tok_mean)
+    metrics["loss/total"] = total.detach()
+    return total, metrics

@@ -1,0 +1,186 @@
+"""The learner process: set up ranks, model, buffer feed; then step, publish, checkpoint, log.
+
+    torchrun --nproc_per_node N -m learner --config runs/<run>/config.yaml [--resume]
+
+Per step: rank 0 feeds prompts and reads ``train_batch_size`` groups, broadcasts them (protobuf bytes)
+to every rank; all ranks train (:class:`learner.trainer.Trainer`); rank 0 acknowledges the groups after
+the optimizer step; every ``weight_sync.sync_every`` steps all ranks publish the weights as version v+1
+and rank 0 then records the version in Redis. Checkpoints every ``checkpoint_every`` steps and at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from learner.batch import broadcast_groups
+from learner.checkpoint import TrainState, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.feed import DataTimeout, Feed
+from learner.parallelize import load_model, parallelize
+from learner.telemetry import LiveStatus, StepProfiler, nvtx, peak_flops, train_flops
+from learner.trainer import Trainer
+from tether.config import TetherConfig
+from tether.logs import get_logger, setup_logging
+from tether.metrics import MetricsLogger, build_metrics
+from tether.runs import run_paths
+
+log = get_logger(__name__)
+
+
+def init_distributed(cfg: TetherConfig) -> tuple[int, int, torch.device]:
+    """torchrun's environment, or a 1-process group when started without torchrun."""
+    if "RANK" not in os.environ:
+        from tether.redis_server import free_port
+
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    want = cfg.learner.device
+    cuda = torch.cuda.is_available() if want == "auto" else want == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise RuntimeError("learner.device is cuda but no GPU is visible — set learner.device: cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run(cfg: TetherConfig, *, resume: bool = False) -> int:
+    rank, world, device = init_distributed(cfg)
+    paths = run_paths(cfg)
+    setup_logging(
+        process=f"learner-rank{rank}",
+        level=cfg.run.log_level,
+        console_format=cfg.run.log_format,
+        log_file=paths.log_file(f"learner-rank{rank}"),
+    )
+    try:
+        return _run(cfg, rank=rank, world=world, device=device, resume=resume)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resume: bool) -> int:
+    lc = cfg.learner
+    paths = run_paths(cfg)
+    if rank == 0:
+        paths.make()
+    seed_everything(cfg.run.seed)
+    model = parallelize(load_model(cfg, device), cfg, device)
+    ref = parallelize(load_model(cfg, device), cfg, device, trainable=False) if cfg.algorithm.use_kl_loss else None
+    trainer = Trainer(cfg, model, device=device, ref_model=ref)
+    state = TrainState()
+    if resume:
+        ckpt = latest_checkpoint(paths.checkpoints)
+        if ckpt is None:
+            log.warning("resume_without_checkpoint", folder=str(paths.checkpoints))
+        else:
+            state = load_checkpoint(ckpt, model=model, optimizer=trainer.optimizer, scheduler=trainer.scheduler)
+
+    from buffer import ServerRegistry, publish_version, read_version
+    from weight_sync.sender import WeightSender
+
+    client = feed = live = None
+    metrics: MetricsLogger = build_metrics(paths.root, rank=rank, tensorboard=cfg.run.tensorboard)
+    if rank == 0:
+        from tether.redis_server import connect_redis
+
+        if not cfg.buffer.redis_url:
+            raise ValueError("buffer.redis_url is empty: start the learner with `tether up`, or give a Redis URL")
+        client = connect_redis(cfg.buffer.redis_url)
+        feed = Feed(cfg, client, data_position=state.data_position)
+        if read_version(client, feed.keys) < state.version:
+            publish_version(client, feed.keys, state.version)
+        live = LiveStatus(client=client, key=feed.keys.learner, port=lc.metrics_port, total_steps=lc.total_steps,
+                          start_step=state.step)  # fmt: skip
+    registry = ServerRegistry(client, feed.keys) if rank == 0 else None
+    sender = WeightSender(cfg, model=model, rank=rank, world_size=world, registry=registry)
+    profiler = StepProfiler(lc.profile.steps, paths.root / "profile", rank)
+    n_params = sum(p.numel() for p in model.parameters())
+    peak = peak_flops(device)
+    forward_passes = int(cfg.algorithm.recompute_logprobs) + int(ref is not None)
+    saved_at = state.step if resume else -1
+    code = 0
+    try:
+        while state.step < lc.total_steps:
+            t0 = time.perf_counter()
+            batch, stop = [], False
+            if rank == 0:
+                try:
+                    batch = feed.next_batch(state.version)
+                except DataTimeout as e:
+                    log.error("data_timeout", error=str(e))
+                    stop = True
+            groups, stop = broadcast_groups([b.group for b in batch], device=device, stop=stop)
+            if stop:
+                code = 1
+                break
+            t_data = time.perf_counter() - t0
+            with profiler(state.step + 1), nvtx(f"step{state.step + 1}"):
+                out = trainer.train_step(groups, version=state.version)
+            if rank == 0:
+                feed.ack(batch)  # after the optimizer step that used them
+                state.data_position = feed.position
+            state.step += 1
+            t_sync = time.perf_counter()
+            if state.step % cfg.weight_sync.sync_every == 0:
+                with nvtx("weight_sync"):
+                    report = sender.publish(state.version + 1)
+                state.version += 1
+                if rank == 0:
+                    publish_version(client, feed.keys, state.version)
+                    out.update(report)
+            t_sync = time.perf_counter() - t_sync
+            compute = out.get("timing/compute", 0.0)
+            tokens = out.get("learner/tokens", 0.0)
+            out.update(
+                {
+                    "timing/wait_data": t_data,
+                    "timing/weight_sync": t_sync,
+                    "timing/step": time.perf_counter() - t0,
+                    "perf/tokens_per_s": tokens / compute if compute else 0.0,
+                    "learner/version": float(state.version),
+                }
+            )
+            if peak and compute:
+                flops = train_flops(n_params, int(tokens) * lc.ppo_epochs, forward_passes=forward_passes)
+                out["perf/mfu"] = flops / (compute * peak * world)
+            if rank == 0:
+                metrics.log(out, step=state.step)
+                live.update(state.step, state.version, out)
+            if lc.checkpoint_every and state.step % lc.checkpoint_every == 0:
+                _sync_position(state, device)
+                save_checkpoint(paths.checkpoints, model=model, optimizer=trainer.optimizer,
+                                scheduler=trainer.scheduler, state=state)  # fmt: skip
+                saved_at = state.step
+        if code == 0 and saved_at != state.step:
+            _sync_position(state, device)
+            save_checkpoint(paths.checkpoints, model=model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                            state=state)  # fmt: skip
+        if code == 0 and lc.export_hf:
+            export_hf(model, out_dir=paths.root / "final", source_dir=cfg.model.path)
+    finally:
+        metrics.close()
+        if live is not None:
+            live.close()
+    log.info("learner_finished", step=state.step, version=state.version, code=code)
+    return code
+
+
+def _sync_position(state: TrainState, device: torch.device) -> None:
+    """Only rank 0 knows the dataset position; every rank's checkpoint state must agree."""
+    t = torch.tensor([state.data_position], dtype=torch.int64, device=device)
+    dist.broadcast(t, 0)
+    state.data_position = int(t.item())

@@ -1,0 +1,208 @@
+"""Samples, micro-batch planning (fixed count or token budget, balanced across ranks), packing.
+
+A :class:`Sample` is one trajectory ready to train on: prompt + completion token ids and the
+completion-aligned arrays (behaviour log-probs, loss mask, ...). Logits at position ``i`` predict
+token ``i + 1``, so completion token ``j`` is scored from position ``prompt_len - 1 + j``; only those
+positions go through the LM head (``logits_to_keep``), which keeps the ``[tokens, vocab]`` tensor to
+completion tokens.
+
+``use_remove_padding`` packs a micro-batch into one row: position ids restart at 0 for every sequence
+and no attention mask is passed, which is how transformers recognises a packed row (it builds the
+block-diagonal causal mask for sdpa/eager and uses the varlen kernel for flash-attention), so no token
+attends across a sequence boundary and no compute is spent on padding. Without it, sequences are
+right-padded into ``[B, L]`` with an attention mask — the baseline the benchmark compares against.
+
+Planning is deterministic from the lengths alone: every rank holds the whole step's samples (rank 0
+broadcast them), computes the same plan and takes its share, so no extra collective is needed. All
+ranks get the same number of micro-batches because FSDP's collectives must pair up; a rank with less
+work runs empty micro-batches (a zero-weighted dummy forward).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Sample:
+    """One trajectory. ``completion_*`` arrays have one entry per completion token."""
+
+    input_ids: np.ndarray
+    prompt_len: int
+    behavior_logprobs: np.ndarray
+    loss_mask: np.ndarray
+    advantage: float = 0.0
+    reward: float = 0.0
+    group: int = 0
+    staleness: int = 0
+    proximal_logprobs: np.ndarray | None = None
+    ref_logprobs: np.ndarray | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_completion(self) -> int:
+        return int(self.input_ids.shape[0]) - self.prompt_len
+
+    @property
+    def num_trained(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+@dataclass
+class MicroBatch:
+    """Model inputs of one micro-batch plus the flat per-completion-token layout the losses use."""
+
+    input_ids: Tensor  # [B, L]
+    position_ids: Tensor  # [B, L]
+    attention_mask: Tensor | None  # [B, L] (padded layout only)
+    logit_index: Tensor  # [N] flat index into B*L of the positions whose logits are needed
+    targets: Tensor  # [N] the token each of those positions predicts
+    seq_ids: Tensor  # [N] local sequence index 0..S-1
+    sample_index: list[int]  # indices of this micro-batch's samples in the step's sample list
+    packed: bool
+
+    @property
+    def empty(self) -> bool:
+        return not self.sample_index
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel()) if self.attention_mask is None else int(self.attention_mask.sum())
+
+
+def make_micro_batch(samples: list[Sample], index: list[int], *, packed: bool, pad_id: int = 0) -> MicroBatch:
+    """Build the tensors of one micro-batch from ``samples[i] for i in index`` (empty: a 1-token dummy)."""
+    chosen = [samples[i] for i in index]
+    if not chosen:
+        one = torch.full((1, 1), pad_id, dtype=torch.long)
+        empty = torch.zeros(0, dtype=torch.long)
+        return MicroBatch(one, torch.zeros_like(one), None, torch.zeros(1, dtype=torch.long), one[0], empty, [], packed)
+    lengths = [s.length for s in chosen]
+    rows, logit_index, targets, seq_ids = [], [], [], []
+    width = sum(lengths) if packed else max(lengths)
+    offset = 0
+    for k, s in enumerate(chosen):
+        ids = torch.from_numpy(np.asarray(s.input_ids, dtype=np.int64))
+        rows.append(ids)
+        base = offset if packed else k * width
+        pos = torch.arange(s.prompt_len - 1, s.length - 1) + base
+        logit_index.append(pos)
+        targets.append(ids[s.prompt_len :])
+        seq_ids.append(torch.full((s.num_completion,), k, dtype=torch.long))
+        offset += s.length
+    if packed:
+        input_ids = torch.cat(rows)[None]
+        position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+        attention_mask = None
+    else:
+        input_ids = torch.full((len(chosen), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(chosen), width), dtype=torch.long)
+        for k, ids in enumerate(rows):
+            input_ids[k, : ids.shape[0]] = ids
+            attention_mask[k, : ids.shape[0]] = 1
+        position_ids = torch.arange(width)[None].expand(len(chosen), -1).clone()
+    return MicroBatch(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        logit_index=torch.cat(logit_index),
+        targets=torch.cat(targets),
+        seq_ids=torch.cat(seq_ids),
+        sample_index=list(index),
+        packed=packed,
+    )
+
+
+def per_token(samples: list[Sample], index: list[int], name: str) -> Tensor:
+    """Concatenate a completion-aligned field (or broadcast a scalar one) over a micro-batch, as float32."""
+    parts = []
+    for i in index:
+        s = samples[i]
+        value = getattr(s, name)
+        if value is None:
+            raise ValueError(f"sample field {name!r} is not set")
+        if np.ndim(value) == 0:
+            parts.append(torch.full((s.num_completion,), float(value), dtype=torch.float32))
+        else:
+            parts.append(torch.from_numpy(np.asarray(value, dtype=np.float32)))
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def balance_ranks(lengths: list[int], world_size: int) -> list[list[int]]:
+    """Split sample indices over ranks with near-equal token totals (longest first onto the lightest)."""
+    heap = [(0, r) for r in range(world_size)]
+    out: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        load, r = heapq.heappop(heap)
+        out[r].append(i)
+        heapq.heappush(heap, (load + lengths[i], r))
+    return [sorted(x) for x in out]
+
+
+def _fit_bins(items: list[int], lengths: list[int], n_bins: int, budget: int) -> list[list[int]] | None:
+    """Longest-first onto the lightest of ``n_bins`` bins; None when a bin would pass ``budget``
+    (a single sample longer than the budget is allowed alone in its bin)."""
+    bins: list[list[int]] = [[] for _ in range(n_bins)]
+    loads = [0] * n_bins
+    for i in sorted(items, key=lambda i: (-lengths[i], i)):
+        b = min(range(n_bins), key=lambda k: (loads[k], k))
+        if loads[b] and loads[b] + lengths[i] > budget:
+            return None
+        bins[b].append(i)
+        loads[b] += lengths[i]
+    return [sorted(b) for b in bins]
+
+
+def plan_micro_batches(
+    lengths: list[int],
+    *,
+    world_size: int,
+    dynamic: bool,
+    max_tokens: int,
+    micro_batch_size: int,
+) -> list[list[list[int]]]:
+    """``plan[rank][k]`` = sample indices of rank's k-th micro-batch; every rank has the same count.
+
+    Samples are first balanced over ranks by tokens, then cut into micro-batches by
+    :func:`plan_within_ranks`. Every sample appears exactly once in the whole plan.
+    """
+    per_rank = balance_ranks(lengths, world_size)
+    return plan_within_ranks(
+        per_rank, lengths, dynamic=dynamic, max_tokens=max_tokens, micro_batch_size=micro_batch_size
+    )
+
+
+def plan_within_ranks(
+    per_rank: list[list[int]],
+    lengths: list[int],
+    *,
+    dynamic: bool,
+    max_tokens: int,
+    micro_batch_size: int,
+) -> list[list[list[int]]]:
+    """Cut each rank's samples into micro-batches, the same number on every rank (padded with empties).
+
+    dynamic: at most ``max_tokens`` tokens each (one over-long sample alone is allowed), as few
+    micro-batches as the busiest rank needs. Otherwise: ``micro_batch_size`` samples each.
+    """
+    if not dynamic:
+        chunks = [[idx[k : k + micro_batch_size] for k in range(0, len(idx), micro_batch_size)] for idx in per_rank]
+        n = max((len(c) for c in chunks), default=0)
+        return [c + [[] for _ in range(n - len(c))] for c in chunks]
+    need = max((-(-sum(lengths[i] for i in idx) // max_tokens) for idx in per_rank), default=0)
+    n = max(need, 1 if any(per_rank) else 0)
+    while True:
+        plans = [_fit_bins(idx, lengths, n, max_tokens) for idx in per_rank]
+        if all(p is not None for p in plans):
+            # Empty bins go last so the dummies run after the real work.
+            return [sorted(p, key=lambda b: not b) for p in plans]  # type: ignore[union-attr]
+        n += 1

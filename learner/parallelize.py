@@ -1,0 +1,124 @@
+"""Load the policy and apply the memory/speed levers, then FSDP2: ``fully_shard`` per block, then the root.
+
+The order follows torchtitan: kernels (Liger) and activation checkpointing change the module first, then
+sharding wraps it. One :class:`MixedPrecisionPolicy` is built once and shared by every ``fully_shard``
+call so the blocks and the root agree on dtypes: on GPU parameters compute in ``learner.param_dtype``
+(bf16 by default) with float32 gradient reduction; on CPU everything stays float32 (gloo, the test path).
+The sharded master weights and the optimizer state are always float32.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from tether.config import TetherConfig
+from tether.logs import get_logger
+
+log = get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def mixed_precision_policy(cfg: TetherConfig, device: torch.device) -> MixedPrecisionPolicy:
+    if device.type != "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(
+        param_dtype=_DTYPES[cfg.learner.param_dtype], reduce_dtype=_DTYPES[cfg.learner.reduce_dtype]
+    )
+
+
+def attn_implementation(cfg: TetherConfig, device: torch.device) -> str:
+    """The configured kernel, with a clear error where it cannot run."""
+    impl = cfg.model.attn_implementation
+    if impl == "flash_attention_2":
+        if device.type != "cuda":
+            raise RuntimeError("model.attn_implementation: flash_attention_2 needs a GPU; use sdpa on CPU")
+        if importlib.util.find_spec("flash_attn") is None:
+            raise RuntimeError(
+                "model.attn_implementation: flash_attention_2 needs the flash-attn package "
+                "(pip install -e .[gpu]) — or set it to sdpa"
+            )
+    return impl
+
+
+def load_model(cfg: TetherConfig, device: torch.device) -> torch.nn.Module:
+    """The HF causal LM from ``model.path`` in float32 on CPU (sharding moves it to ``device``)."""
+    from transformers import AutoModelForCausalLM
+
+    if not cfg.model.path:
+        raise ValueError("model.path is empty: point it at a local Hugging Face model folder")
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.model.path,
+        dtype=torch.float32,
+        attn_implementation=attn_implementation(cfg, device),
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
+    model.config.use_cache = False
+    return model
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks, found by the class names HF lists as never-split (``_no_split_modules``)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise RuntimeError(f"{type(model).__name__}: cannot find decoder blocks to shard (_no_split_modules={names})")
+    return blocks
+
+
+def apply_liger(model: torch.nn.Module, device: torch.device) -> None:
+    if device.type != "cuda":
+        raise RuntimeError("learner.use_liger needs a GPU (Liger kernels are Triton); set it to false on CPU")
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError:
+        raise RuntimeError("learner.use_liger: the liger-kernel package is missing (pip install -e .[gpu])") from None
+    # Only the element-wise kernels: the fused linear cross-entropy would hide the logits we need.
+    _apply_liger_kernel_to_instance(model=model, cross_entropy=False, fused_linear_cross_entropy=False)
+
+
+def parallelize(
+    model: torch.nn.Module,
+    cfg: TetherConfig,
+    device: torch.device,
+    *,
+    mesh: DeviceMesh | None = None,
+    trainable: bool = True,
+) -> torch.nn.Module:
+    """Apply Liger, activation checkpointing and FSDP2 to ``model`` in place; returns it (an FSDPModule)."""
+    lc = cfg.learner
+    if lc.use_liger:
+        apply_liger(model, device)
+    if trainable and lc.enable_gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if mesh is None:
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    kwargs: dict = {"mesh": mesh, "mp_policy": mixed_precision_policy(cfg, device)}
+    if lc.cpu_offload and device.type == "cuda":
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    elif device.type == "cuda":
+        model.to(device)
+    blocks = decoder_blocks(model)
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    # The root is used again right after forward (backward starts with the LM head): keep it gathered.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    if lc.forward_prefetch:
+        for this, nxt in itertools.pairwise(blocks):
+            this.set_modules_to_forward_prefetch([nxt])
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+    log.info(
+        "model_sharded",
+        blocks=len(blocks),
+        world=mesh.size(),
+        params=sum(p.numel() for p in model.parameters()),
+        attn=model.config._attn_implementation,
+    )
+    return model

@@ -1,0 +1,136 @@
+"""What the learner tells the outside world each step: metrics sinks, Prometheus, the Redis status hash,
+a live progress line, MFU, NVTX ranges and profiler traces. Everything here is best-effort — a failing
+sink warns once and turns itself off; telemetry never stops training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from tether.logs import get_logger
+
+log = get_logger(__name__)
+
+# Dense bf16 peak per GPU (FLOP/s) by device name fragment, for the MFU estimate.
+_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in _PEAK_BF16.items() if k in name), None)
+
+
+def train_flops(n_params: int, tokens: int, *, forward_passes: int = 0) -> float:
+    """6·N per trained token (forward + backward) plus 2·N per token of each forward-only pass."""
+    return 6.0 * n_params * tokens + 2.0 * n_params * tokens * forward_passes
+
+
+@contextlib.contextmanager
+def nvtx(name: str) -> Iterator[None]:
+    """An NVTX range around a phase (visible in Nsight) when CUDA is in use; nothing otherwise."""
+    if torch.cuda.is_available():
+        torch.cuda.nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            torch.cuda.nvtx.range_pop()
+    else:
+        yield
+
+
+class StepProfiler:
+    """A torch profiler trace of each chosen step, one file per rank in ``{run}/profile``."""
+
+    def __init__(self, steps: list[int], out_dir: Path, rank: int) -> None:
+        self.steps, self.out_dir, self.rank = set(steps), out_dir, rank
+
+    @contextlib.contextmanager
+    def __call__(self, step: int) -> Iterator[None]:
+        if step not in self.steps:
+            yield
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=acts, record_shapes=True, with_stack=False) as prof:
+            yield
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / f"step{step}-rank{self.rank}.json"
+        prof.export_chrome_trace(str(path))
+        log.info("profile_written", path=str(path))
+
+
+class LiveStatus:
+    """Rank 0: Prometheus gauges, the ``tether:{run}:learner`` hash and a progress bar."""
+
+    def __init__(self, *, client=None, key: str = "", port: int | None = None, total_steps: int, start_step: int):
+        self.client, self.key = client, key
+        self.gauges: dict[str, object] = {}
+        self.registry = None
+        if port is not None:
+            try:
+                from prometheus_client import CollectorRegistry, start_http_server
+
+                self.registry = CollectorRegistry()
+                server = start_http_server(port, registry=self.registry)
+                log.info("prometheus_serving", port=server[0].server_port if isinstance(server, tuple) else port)
+            except Exception as e:
+                log.warning("prometheus_unavailable", port=port, error=repr(e))
+                self.registry = None
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="learner", dynamic_ncols=True, leave=True)
+        except Exception:
+            self.bar = None
+        self._last = time.monotonic()
+
+    def update(self, step: int, version: int, metrics: Mapping[str, float]) -> None:
+        self._prometheus(metrics, step, version)
+        if self.client is not None:
+            fields = {
+                "step": step,
+                "version": version,
+                "reward_mean": metrics.get("reward/mean", 0.0),
+                "tokens_per_s": metrics.get("perf/tokens_per_s", 0.0),
+                "loss": metrics.get("loss/total", 0.0),
+                "updated_at": time.time(),
+            }
+            try:
+                self.client.hset(self.key, mapping={k: str(v) for k, v in fields.items()})
+            except Exception as e:
+                log.warning("status_hash_disabled", error=repr(e))
+                self.client = None
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            self.bar.set_postfix(
+                v=version,
+                reward=f"{metrics.get('reward/mean', 0.0):.3f}",
+                loss=f"{metrics.get('loss/total', 0.0):.4f}",
+                tok_s=f"{metrics.get('perf/tokens_per_s', 0.0):.0f}",
+                refresh=False,
+            )
+
+    def _prometheus(self, metrics: Mapping[str, float], step: int, version: int) -> None:
+        if self.registry is None:
+            return
+        from prometheus_client import Gauge
+
+        values = {**metrics, "learner/step": step, "learner/version": version}
+        for key, value in values.items():
+            name = "tether_" + "".join(c if c.isalnum() else "_" for c in key)
+            gauge = self.gauges.get(name)
+            if gauge is None:
+                gauge = self.gauges[name] = Gauge(name, key, registry=self.registry)
+            gauge.set(float(value))  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,255 @@
+"""One learner step on a list of groups: samples → forward-only passes → mini-batch updates → metrics.
+
+Independent of Redis and of weight sync, so tests drive it with fixed batches (the 1-vs-2-rank and the
+checkpoint/resume equivalences). Every rank holds the same groups and derives the same plan, so the
+only collectives are FSDP's own, the gradient-norm reduction inside ``clip_grad_norm_`` and one
+all-reduce of the metrics.
+
+Losses are scaled by the world size before backward because FSDP2 averages gradients over ranks while
+:mod:`learner.losses` already normalises by the global token/sequence counts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from learner.batch import build_samples
+from learner.logprobs import dummy_loss, forward_micro_batch
+from learner.losses import LossSettings, policy_loss
+from learner.packing import Sample, make_micro_batch, per_token, plan_micro_batches, plan_within_ranks
+from tether.config import TetherConfig
+from tether.logs import get_logger
+from tether.trajectory import GroupData
+
+log = get_logger(__name__)
+
+
+def loss_settings(cfg: TetherConfig) -> LossSettings:
+    a = cfg.algorithm
+    mode = "seq-mean-token-sum-norm" if a.adv_estimator == "dr_grpo" else a.loss_agg_mode
+    return LossSettings(
+        clip_ratio_low=a.clip_ratio_low,
+        clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c,
+        loss_agg_mode=mode,
+        tis_imp_ratio_cap=a.tis_imp_ratio_cap,
+        tis_level=a.tis_level,
+        tis_mode=a.tis_mode,
+        use_kl_loss=a.use_kl_loss,
+        kl_loss_coef=a.kl_loss_coef,
+        kl_loss_type=a.kl_loss_type,
+        entropy_coeff=a.entropy_coeff,
+        norm_len=float(cfg.rollout.max_tokens),
+    )
+
+
+def lr_lambda(cfg: TetherConfig, updates_per_step: int):
+    """Linear warmup, then constant or cosine to ``min_lr_ratio``; counted in optimizer updates."""
+    lc = cfg.learner
+    warm, total = lc.lr_warmup_steps * updates_per_step, lc.total_steps * updates_per_step
+
+    def fn(update: int) -> float:
+        if update < warm:
+            return (update + 1) / warm
+        if lc.lr_scheduler == "constant":
+            return 1.0
+        progress = min(1.0, (update - warm) / max(1, total - warm))
+        return lc.min_lr_ratio + (1 - lc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return fn
+
+
+class Trainer:
+    def __init__(
+        self, cfg: TetherConfig, model: torch.nn.Module, *, device: torch.device, ref_model: torch.nn.Module | None
+    ) -> None:
+        lc = cfg.learner
+        self.cfg, self.model, self.ref_model, self.device = cfg, model, ref_model, device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.settings = loss_settings(cfg)
+        mini = lc.ppo_mini_batch_size or lc.train_batch_size
+        self.n_mini = lc.train_batch_size // mini
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=lc.lr,
+            betas=lc.betas,
+            eps=lc.eps,
+            weight_decay=lc.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.n_mini * lc.ppo_epochs))
+        self.pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
+        # The metric keys of one micro-batch, from an empty call: every rank reduces the same keys.
+        z = torch.zeros(0)
+        _, m = policy_loss(
+            logprobs=z, proximal_logprobs=z, behavior_logprobs=z, advantages=z, mask=z, seq_ids=z.long(),
+            global_tokens=1.0, global_seqs=1.0, settings=self.settings, entropy=z, ref_logprobs=z,
+        )  # fmt: skip
+        self.metric_keys = sorted(m)
+
+    # ----- planning
+
+    def _mini_batches(self, samples: list[Sample], n_groups: int) -> list[list[int]]:
+        n = min(self.n_mini, max(1, n_groups))
+        out: list[list[int]] = [[] for _ in range(n)]
+        for i, s in enumerate(samples):
+            out[s.group * n // max(1, n_groups)].append(i)
+        return [m for m in out if m]
+
+    def _plan(self, samples: list[Sample], index: list[int], *, forward_only: bool) -> list[list[list[int]]]:
+        lc = self.cfg.learner
+        lengths = [samples[i].length for i in index]
+        plan = plan_micro_batches(
+            lengths,
+            world_size=self.world,
+            dynamic=lc.use_dynamic_bsz,
+            max_tokens=lc.max_token_len_per_gpu,
+            micro_batch_size=lc.micro_batch_size_per_gpu,
+        )
+        return [[[index[j] for j in mb] for mb in rank] for rank in plan]
+
+    def _forward_only_plan(self, samples: list[Sample], update_plans: list) -> list[list[int]]:
+        """This rank's samples (the ones it updates on) cut by the larger forward-only budgets."""
+        lc = self.cfg.learner
+        per_rank = [sorted({i for plan in update_plans for mb in plan[r] for i in mb}) for r in range(self.world)]
+        plan = plan_within_ranks(
+            per_rank,
+            [s.length for s in samples],
+            dynamic=lc.use_dynamic_bsz,
+            max_tokens=lc.log_prob_max_token_len_per_gpu or 2 * lc.max_token_len_per_gpu,
+            micro_batch_size=lc.log_prob_micro_batch_size_per_gpu or 2 * lc.micro_batch_size_per_gpu,
+        )
+        return plan[self.rank]
+
+    # ----- passes
+
+    @torch.no_grad()
+    def _forward_only(self, model: torch.nn.Module, samples: list[Sample], plan: list[list[int]], field: str) -> None:
+        for index in plan:
+            mb = make_micro_batch(samples, index, packed=self.cfg.learner.use_remove_padding, pad_id=self.pad_id)
+            if mb.empty:
+                dummy_loss(model, mb, device=self.device)
+                continue
+            logprobs, _ = forward_micro_batch(model, mb, device=self.device)
+            logprobs = logprobs.cpu().numpy()
+            offset = 0
+            for i in index:
+                n = samples[i].num_completion
+                setattr(samples[i], field, logprobs[offset : offset + n])
+                offset += n
+
+    def _update(self, samples: list[Sample], mini: list[int], plan: list[list[int]], sums: dict) -> float:
+        """Gradient accumulation over this rank's micro-batches of one mini-batch, then one optimizer step."""
+        lc, a = self.cfg.learner, self.cfg.algorithm
+        g_tok = float(sum(samples[i].num_trained for i in mini))
+        g_seq = float(len(mini))
+        self.optimizer.zero_grad(set_to_none=True)
+        for index in plan:
+            mb = make_micro_batch(samples, index, packed=lc.use_remove_padding, pad_id=self.pad_id)
+            if mb.empty:
+                (dummy_loss(self.model, mb, device=self.device) * self.world).backward()
+                continue
+            logprobs, entropy = forward_micro_batch(
+                self.model,
+                mb,
+                device=self.device,
+                with_entropy=True,
+                chunked_entropy=lc.entropy_from_logits_with_chunking,
+                entropy_checkpointing=lc.entropy_checkpointing,
+                entropy_grad=a.entropy_coeff > 0,
+            )
+            dev = {"device": self.device}
+            behavior = per_token(samples, index, "behavior_logprobs").to(**dev)
+            proximal = per_token(samples, index, "proximal_logprobs").to(**dev) if a.recompute_logprobs else behavior
+            ref = per_token(samples, index, "ref_logprobs").to(**dev) if self.ref_model is not None else None
+            loss, m = policy_loss(
+                logprobs=logprobs,
+                proximal_logprobs=proximal,
+                behavior_logprobs=behavior,
+                advantages=per_token(samples, index, "advantage").to(**dev),
+                mask=per_token(samples, index, "loss_mask").to(**dev),
+                seq_ids=mb.seq_ids.to(self.device),
+                global_tokens=g_tok,
+                global_seqs=g_seq,
+                settings=self.settings,
+                entropy=entropy,
+                ref_logprobs=ref,
+            )
+            (loss * self.world).backward()
+            for k, v in m.items():
+                v = float(v)
+                sums[k] = max(sums.get(k, 0.0), v) if k.endswith("_max") else sums.get(k, 0.0) + v
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), lc.grad_clip)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        norm = float(norm)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        else:
+            # The norm is global, so every rank skips together; nothing non-finite reaches the weights.
+            log.warning("update_skipped_nonfinite_grad", grad_norm=norm)
+            sums["learner/skipped_updates"] = sums.get("learner/skipped_updates", 0.0) + 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return norm
+
+    def train_step(self, groups: list[GroupData], *, version: int) -> dict[str, float]:
+        """Train on one step's groups; returns the step's metrics (identical on every rank)."""
+        lc, a = self.cfg.learner, self.cfg.algorithm
+        t0 = time.perf_counter()
+        samples, skipped = build_samples(
+            groups, current_version=version, norm_by_std=a.norm_adv_by_std_in_grpo, max_len=self.cfg.model.max_model_len
+        )
+        out: dict[str, float] = {f"learner/skipped_{k}": float(v) for k, v in skipped.items()}
+        if not samples:
+            log.warning("empty_batch_skipped", groups=len(groups))
+            out["learner/empty_batches"] = 1.0
+            return out
+        minis = self._mini_batches(samples, len(groups))
+        plans = [self._plan(samples, m, forward_only=False) for m in minis]
+        if a.recompute_logprobs or self.ref_model is not None:
+            fplan = self._forward_only_plan(samples, plans)
+            if a.recompute_logprobs:
+                self._forward_only(self.model, samples, fplan, "proximal_logprobs")
+            if self.ref_model is not None:
+                self._forward_only(self.ref_model, samples, fplan, "ref_logprobs")
+        sums: dict[str, float] = {}
+        norms = []
+        for _ in range(lc.ppo_epochs):
+            for mini, plan in zip(minis, plans, strict=True):
+                norms.append(self._update(samples, mini, plan[self.rank], sums))
+        n_updates = len(norms)
+        keys = self.metric_keys
+        summed = torch.tensor([sums.get(k, 0.0) for k in keys if not k.endswith("_max")], dtype=torch.float64)
+        maxed = torch.tensor([sums.get(k, 0.0) for k in keys if k.endswith("_max")], dtype=torch.float64)
+        summed, maxed = summed.to(self.device), maxed.to(self.device)
+        dist.all_reduce(summed)
+        dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
+        sum_keys, max_keys = [k for k in keys if not k.endswith("_max")], [k for k in keys if k.endswith("_max")]
+        out.update({k: v / n_updates for k, v in zip(sum_keys, summed.tolist(), strict=True)})
+        out.update(dict(zip(max_keys, maxed.tolist(), strict=True)))
+        if "learner/skipped_updates" in sums:
+            out["learner/skipped_updates"] = sums["learner/skipped_updates"]
+        rewards = [s.reward for s in samples]
+        stale = [s.staleness for s in samples]
+        tokens = sum(s.length for s in samples)
+        out.update(
+            {
+                "actor/grad_norm": sum(norms) / n_updates,
+                "actor/lr": self.scheduler.get_last_lr()[0],
+                "reward/mean": sum(rewards) / len(rewards),
+                "reward/max": max(rewards),
+                "reward/min": min(rewards),
+                "staleness/mean": sum(stale) / len(stale),
+                "staleness/max": float(max(stale)),
+                "response/length_mean": sum(s.num_completion for s in samples) / len(samples),
+                "learner/samples": float(len(samples)),
+                "learner/tokens": float(tokens),
+                "timing/compute": time.perf_counter() - t0,
+            }
+        )
+        return out

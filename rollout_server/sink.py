@@ -1,0 +1,83 @@
+"""The rollout server's side of the Redis buffer: prompts in, groups out, heartbeats, dead letters.
+
+One small adapter over ``buffer``'s public API (docs/ARCHITECTURE.md) so the rest of the server never
+touches Redis directly. redis-py is synchronous, so every call runs in a worker thread and the gRPC
+event loop never blocks on a slow or backpressured Redis. A server started without ``run.run_id`` or
+a reachable ``buffer.redis_url`` has no sink: it serves Generate only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tether.config import TetherConfig
+from tether.logs import get_logger
+from tether.trajectory import GroupData
+from tether.v1 import trajectory_pb2
+
+log = get_logger(__name__)
+
+
+class BufferSink:
+    def __init__(self, cfg: TetherConfig, server_id: str) -> None:
+        from buffer import PromptQueue, RedisKeys, ServerRegistry, TrajectoryWriter
+        from tether.redis_server import connect_redis
+
+        assert cfg.run.run_id is not None
+        self.cfg = cfg
+        self.server_id = server_id
+        self.client = connect_redis(cfg.buffer.redis_url)
+        self.keys = RedisKeys(cfg.run.run_id)
+        self.prompts = PromptQueue(self.client, self.keys, claim_idle_ms=cfg.buffer.claim_idle_ms)
+        self.writer = TrajectoryWriter(self.client, self.keys, cfg.buffer)
+        self.registry = ServerRegistry(self.client, self.keys)
+
+    async def read_prompts(self, *, count: int = 1, block_ms: int = 1000) -> list[tuple[str, trajectory_pb2.Prompt]]:
+        import redis
+
+        try:
+            return await asyncio.to_thread(self.prompts.read, self.server_id, count=count, block_ms=block_ms)
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            # The stream or its consumer group was deleted (a reset run, a flushed Redis): recreate both.
+            from buffer import PromptQueue
+
+            self.prompts = PromptQueue(self.client, self.keys, claim_idle_ms=self.cfg.buffer.claim_idle_ms)
+            return []
+
+    async def ack(self, entry_ids: list[str]) -> None:
+        await asyncio.to_thread(self.prompts.ack, entry_ids)
+
+    async def put(self, group: GroupData) -> bool:
+        """Write one group; False when the buffer already holds its group_id (a retried prompt)."""
+        entry = await asyncio.to_thread(self.writer.put, group, timeout_s=self.cfg.buffer.put_timeout_s)
+        return entry is not None
+
+    async def dead_letter(self, *, reason: str, data: bytes) -> None:
+        """Park work that cannot be completed, with why, where an operator (and ``tether status``) sees it."""
+        import buffer
+
+        public = getattr(buffer, "dead_letter", None)
+        if callable(public):  # prefer the buffer's own call when it has one
+            await asyncio.to_thread(public, self.client, self.keys, source=self.source, reason=reason, data=data)
+            return
+        fields = {"source": self.source, "reason": reason[:500], "data": data, "time": str(time.time())}
+        await asyncio.to_thread(self.client.xadd, self.keys.dead_letter, fields, maxlen=1000, approximate=True)
+
+    @property
+    def source(self) -> str:
+        return f"rollout:{self.server_id}"
+
+    async def heartbeat(self, *, address: str, engine: str, policy_version: int, extra: dict) -> None:
+        from buffer import ServerInfo
+
+        info = ServerInfo(self.server_id, address=address, engine=engine, policy_version=policy_version, extra=extra)
+        await asyncio.to_thread(self.registry.heartbeat, info, ttl_s=3 * self.cfg.rollout.heartbeat_s)
+
+    async def remove(self) -> None:
+        await asyncio.to_thread(self.registry.remove, self.server_id)
+
+    def close(self) -> None:
+        self.client.close()

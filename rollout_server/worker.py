@@ -1,0 +1,150 @@
+"""The prompt worker: prompts stream -> G samples -> rewards -> one group in the trajectories stream.
+
+``rollout.prompt_workers`` coroutines each hold one prompt at a time; they share the engine, whose
+batching window merges their groups into one batch. The group id is derived from the prompts-stream
+entry id, so when a prompt is redelivered (this server died after writing but before acking, or
+another server reclaimed it) the buffer's idempotent put drops the duplicate. A prompt is
+acknowledged only after its group is in the buffer or dead-lettered; a prompt whose work is cut off
+by a drain stays unacknowledged and is reclaimed by another server. While the engine is paused
+(weight update) no new prompt is taken, so nothing sits read-but-idle across an update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from rollout_server.engines.base import SamplingSpec
+from rollout_server.rewards import RewardError, ScoreItem, build_reward
+from rollout_server.state import ServerState
+from rollout_server.validation import BadRequest, check_length, encode
+from tether.logs import get_logger
+from tether.trajectory import (
+    LOGPROB_DTYPE,
+    MASK_DTYPE,
+    TOKEN_DTYPE,
+    VERSION_DTYPE,
+    GroupData,
+    TrajectoryData,
+    encode_group,
+)
+from tether.v1 import trajectory_pb2
+
+log = get_logger(__name__)
+
+
+class PromptWorker:
+    def __init__(self, state: ServerState) -> None:
+        assert state.sink is not None
+        self.state = state
+        self.sink = state.sink
+        self.reward = build_reward(state.cfg)
+        self.groups_done = 0
+
+    async def run(self) -> None:
+        """Run the worker coroutines until the server drains; returns when all have finished."""
+        n = self.state.cfg.rollout.prompt_workers
+        try:
+            await asyncio.gather(*(self._loop(i) for i in range(n)))
+        finally:
+            await self.reward.close()
+
+    async def _loop(self, index: int) -> None:
+        s = self.state
+        while not s.draining:
+            if s.engine.paused:
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                entries = await self.sink.read_prompts(count=1, block_ms=500)
+            except Exception as e:  # Redis down or a stream reset: keep the server up, try again
+                log.warning("prompt_read_failed", worker=index, error=str(e))
+                await asyncio.sleep(1.0)
+                continue
+            for entry_id, prompt in entries:  # taken before a drain began: still finish it
+                await self._process(entry_id, prompt)
+
+    async def _process(self, entry_id: str, prompt: trajectory_pb2.Prompt) -> None:
+        s, e, rc = self.state, self.state.engine, self.state.cfg.rollout
+        group_id = f"prompt-{entry_id}"
+        try:
+            ids = list(prompt.token_ids) or encode(e.tokenizer, prompt.text)
+            check_length(ids, rc, max_model_len=e.max_model_len)
+        except BadRequest as err:
+            await self._dead_letter(entry_id, group_id, f"bad prompt: {err}", prompt.SerializeToString())
+            return
+        spec = SamplingSpec(
+            n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k, max_tokens=rc.max_tokens
+        )
+        started = time.time()
+        samples = await e.generate(ids, spec, request_id=f"{group_id}-{time.monotonic_ns()}")
+        s.metrics.add_tokens(sum(len(x.token_ids) for x in samples))
+        items = [
+            ScoreItem(prompt.text, x.text, ids, x.token_ids, prompt.reward_context, f"{group_id}-{i}")
+            for i, x in enumerate(samples)
+        ]
+        trajectories = [
+            TrajectoryData(
+                prompt_token_ids=np.asarray(ids, TOKEN_DTYPE),
+                completion_token_ids=np.asarray(x.token_ids, TOKEN_DTYPE),
+                behavior_logprobs=np.asarray(x.logprobs, LOGPROB_DTYPE),
+                policy_versions=np.asarray(x.versions, VERSION_DTYPE),
+                loss_mask=np.ones(len(x.token_ids), MASK_DTYPE),
+                finish_reason=x.finish_reason,
+                id=items[i].trajectory_id,
+                group_id=group_id,
+                server_id=s.server_id,
+                logprob_source=e.logprob_source,
+                started_at=started,
+                finished_at=time.time(),
+            )
+            for i, x in enumerate(samples)
+        ]
+        group = GroupData(
+            group_id,
+            trajectories,
+            prompt_id=prompt.prompt_id or entry_id,
+            metadata={"dataset_index": str(prompt.dataset_index), "issued_at_version": str(prompt.issued_at_version)},
+        )
+        failure = ""
+        for attempt in range(rc.reward_attempts):
+            try:
+                scores = await self.reward.score(items)
+                break
+            except RewardError as err:
+                failure = str(err)
+                s.metrics.reward_failures.inc()
+                log.warning("reward_failed", group_id=group_id, attempt=attempt + 1, error=failure)
+                await asyncio.sleep(min(2.0, 0.2 * 2**attempt))
+        else:
+            await self._dead_letter(entry_id, group_id, f"reward failed: {failure}", encode_group(group))
+            return
+        for t, (reward, components) in zip(trajectories, scores, strict=True):
+            t.reward, t.reward_components = float(reward), components
+        await self._put(entry_id, group)
+
+    async def _put(self, entry_id: str, group: GroupData) -> None:
+        from buffer import BufferFull
+
+        while True:
+            try:
+                fresh = await self.sink.put(group)
+                break
+            except BufferFull as err:  # the learner is behind: wait, unless we are shutting down
+                if self.state.draining:
+                    log.info("prompt_returned_unacked", entry_id=entry_id, reason=str(err))
+                    return
+                log.warning("buffer_full", group_id=group.group_id, error=str(err))
+        await self.sink.ack([entry_id])
+        self.groups_done += 1
+        self.state.metrics.groups.labels("prompts").inc()
+        if not fresh:
+            log.info("group_duplicate", group_id=group.group_id)
+
+    async def _dead_letter(self, entry_id: str, group_id: str, reason: str, data: bytes) -> None:
+        log.error("group_dead_lettered", group_id=group_id, reason=reason)
+        await self.sink.dead_letter(reason=f"{group_id}: {reason}", data=data)
+        self.state.metrics.dead_lettered.inc()
+        await self.sink.ack([entry_id])

@@ -1,0 +1,238 @@
+"""The buffer against a real Redis, once on 6.2 and once on 7.x: delivery, idempotency, staleness,
+dead letters, backpressure, prompts, registry and stats."""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import pytest
+import redis
+
+from buffer import (
+    BufferFull,
+    PromptQueue,
+    RedisKeys,
+    ServerInfo,
+    ServerRegistry,
+    TrajectoryReader,
+    TrajectoryWriter,
+    buffer_stats,
+    publish_version,
+    read_version,
+)
+from tests.unit.test_buffer_codec import make_group
+from tether.config.buffer import BufferConfig
+from tether.v1.trajectory_pb2 import Prompt
+
+KEYS = RedisKeys("t")
+
+
+@pytest.fixture
+def client(versioned_redis_url: str):
+    c = redis.Redis.from_url(versioned_redis_url)
+    yield c
+    c.close()
+
+
+def cfg(**kw) -> BufferConfig:
+    return BufferConfig(**({"claim_idle_ms": 200, "put_timeout_s": 0.3} | kw))
+
+
+def assert_balanced(client: redis.Redis) -> dict[str, float]:
+    """Every produced group is acknowledged, dropped stale, dead-lettered, or still in the stream."""
+    s = buffer_stats(client, KEYS)
+    assert s["buffer/produced"] == (
+        s["buffer/acknowledged"] + s["buffer/dropped_stale"] + s["buffer/dead_letter"] + s["buffer/depth"]
+    ), s
+    return s
+
+
+def test_put_read_ack_round_trip(client: redis.Redis) -> None:
+    c = cfg()
+    writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
+    ids = [writer.put(make_group(seed=i, version=3)) for i in range(3)]
+    got = reader.read(3, current_version=4, max_staleness=2, block_ms=500)
+    assert [b.entry_id for b in got] == ids
+    assert [b.group.group_id for b in got] == ["group-0", "group-1", "group-2"]
+    assert [b.staleness for b in got] == [2, 2, 2]  # the oldest tokens are v2
+    assert got[1].group.trajectories[2].reward == 2.0
+    reader.ack([b.entry_id for b in got])
+    reader.ack([b.entry_id for b in got])  # a repeated ack counts once
+    s = assert_balanced(client)
+    assert (s["buffer/acknowledged"], s["buffer/depth"], s["buffer/bytes"]) == (3, 0, 0)
+    assert s["buffer/consumed"] == 3
+    assert s["buffer/staleness/2"] == 3
+    assert client.xlen(KEYS.trajectories) == 0  # acknowledged entries are deleted: memory stays bounded
+
+
+def test_retried_insert_makes_exactly_one_entry(client: redis.Redis) -> None:
+    writer = TrajectoryWriter(client, KEYS, cfg())
+    group = make_group(seed=7)
+    first = writer.put(group)
+    assert first is not None
+    assert writer.put(group) is None
+    assert TrajectoryWriter(client, KEYS, cfg()).put(make_group(seed=7)) is None  # another producer, same id
+    assert client.xlen(KEYS.trajectories) == 1
+    s = buffer_stats(client, KEYS)
+    assert (s["buffer/produced"], s["buffer/duplicates"]) == (1, 2)
+
+
+def test_stale_groups_are_dropped_and_counted(client: redis.Redis) -> None:
+    c = cfg()
+    writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
+    writer.put(make_group(seed=0, version=1))  # oldest token v0: 5 versions behind
+    writer.put(make_group(seed=1, version=5))  # oldest token v4: 1 behind
+    got = reader.read(2, current_version=5, max_staleness=2, block_ms=300)
+    assert [b.group.group_id for b in got] == ["group-1"]
+    assert got[0].staleness == 1
+    reader.ack([got[0].entry_id])
+    s = assert_balanced(client)
+    assert s["buffer/dropped_stale"] == 1
+    assert s["buffer/staleness/1"] == 1
+    assert s["buffer/bytes"] == 0
+
+
+def test_corrupt_entries_are_dead_lettered_while_others_flow(client: redis.Redis) -> None:
+    c = cfg()
+    writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
+    writer.put(make_group(seed=0))
+    client.xadd(KEYS.trajectories, {"g": "bad-1", "v": "2", "c": "pb", "n": "9", "d": b"\xff\x00garbage"})
+    client.xadd(KEYS.trajectories, {"g": "bad-2", "c": "pb", "d": pickle.dumps({"group_id": "x"})})
+    client.xadd(KEYS.trajectories, {"something": "else"})
+    writer.put(make_group(seed=1))
+    got = reader.read(5, current_version=2, max_staleness=1, block_ms=300)
+    assert [b.group.group_id for b in got] == ["group-0", "group-1"]
+    reader.ack([b.entry_id for b in got])
+    dead = client.xrange(KEYS.dead_letter)
+    assert len(dead) == 3
+    reasons = [fields[b"reason"].decode() for _, fields in dead]
+    assert all(r.startswith("undecodable") for r in reasons), reasons
+    assert dead[0][1][b"d"] == b"\xff\x00garbage"  # the payload is kept for inspection
+    s = buffer_stats(client, KEYS)
+    assert (s["buffer/dead_letter"], s["buffer/acknowledged"], s["buffer/depth"]) == (3, 2, 0)
+    assert s["buffer/bytes"] == 0
+
+
+def test_entries_delivered_too_often_are_dead_lettered(client: redis.Redis) -> None:
+    c = cfg(max_deliveries=2, claim_idle_ms=1)
+    TrajectoryWriter(client, KEYS, c).put(make_group(seed=0))
+    for attempt in range(2):  # two learners that each read it and die before acknowledging
+        got = TrajectoryReader(client, KEYS, c, consumer=f"dead-{attempt}").read(
+            1, current_version=2, max_staleness=1, block_ms=300
+        )
+        assert len(got) == 1
+        time.sleep(0.01)
+    survivor = TrajectoryReader(client, KEYS, c, consumer="survivor")
+    survivor.recover()
+    assert survivor.read(1, current_version=2, max_staleness=1, block_ms=100) == []
+    s = assert_balanced(client)
+    assert s["buffer/dead_letter"] == 1
+    assert b"delivered 3 times" in client.xrange(KEYS.dead_letter)[0][1][b"reason"]
+
+
+def test_restarted_learner_recovers_what_it_had_not_acknowledged(client: redis.Redis) -> None:
+    c = cfg(claim_idle_ms=60_000)
+    writer = TrajectoryWriter(client, KEYS, c)
+    for i in range(3):
+        writer.put(make_group(seed=i))
+    first = TrajectoryReader(client, KEYS, c, consumer="learner-0")
+    got = first.read(2, current_version=2, max_staleness=1, block_ms=300)
+    first.ack([got[0].entry_id])
+    restarted = TrajectoryReader(client, KEYS, c, consumer="learner-0")  # same name, fresh process state
+    assert restarted.recover() == 1
+    again = restarted.read(2, current_version=2, max_staleness=1, block_ms=300)
+    assert [b.group.group_id for b in again] == ["group-1", "group-2"]  # the unacknowledged one first
+    restarted.ack([b.entry_id for b in again])
+    s = assert_balanced(client)
+    assert (s["buffer/acknowledged"], s["buffer/depth"], s["buffer/pending"]) == (3, 0, 0)
+
+
+def test_backpressure_with_a_stalled_consumer(client: redis.Redis) -> None:
+    c = cfg(max_trajectory_groups=4, max_trajectory_bytes=10**9, put_timeout_s=0.2)
+    writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
+    for i in range(4):
+        writer.put(make_group(seed=i))
+    reader.read(2, current_version=2, max_staleness=1, block_ms=300)  # read, then the learner stalls
+    with pytest.raises(BufferFull, match="4 unacknowledged groups"):
+        writer.put(make_group(seed=99))
+    for _ in range(3):  # producers keep retrying; Redis does not grow
+        with pytest.raises(BufferFull):
+            writer.put(make_group(seed=100), timeout_s=0.05)
+    assert client.xlen(KEYS.trajectories) == 4
+    s = assert_balanced(client)
+    assert s["buffer/produced"] == 4
+    assert s["buffer/pending"] == 2
+    got = reader.read(2, current_version=2, max_staleness=1, block_ms=300)
+    reader.ack([b.entry_id for b in got])  # room again
+    assert writer.put(make_group(seed=99)) is not None
+
+
+def test_byte_bound(client: redis.Redis) -> None:
+    one = len(make_group(tokens=256).trajectories) * 256 * 13
+    c = cfg(max_trajectory_bytes=int(one * 1.5), put_timeout_s=0.1)
+    writer = TrajectoryWriter(client, KEYS, c)
+    assert writer.put(make_group(tokens=256, seed=0)) is not None
+    with pytest.raises(BufferFull, match="max_trajectory_bytes"):
+        writer.put(make_group(tokens=256, seed=1))
+    assert buffer_stats(client, KEYS)["buffer/bytes"] > one
+
+
+def test_prompt_admission_and_reclaim(client: redis.Redis) -> None:
+    q = PromptQueue(client, KEYS, claim_idle_ms=100)
+    source = iter([Prompt(prompt_id=str(i), dataset_index=i, text=f"q{i}") for i in range(100)])
+    assert q.feed(source, version=0, prompts_per_version=4, max_staleness=1) == 8
+    assert q.feed(source, version=0, prompts_per_version=4, max_staleness=1) == 0
+    assert q.issued() == 8
+    assert next(source).dataset_index == 8  # the feed took no more from the dataset than it issued
+    held = q.read("server-a", count=3, block_ms=200)
+    assert [p.dataset_index for _, p in held] == [0, 1, 2]
+    assert held[0][1].issued_at_version == 0
+    q.ack([held[0][0]])
+    time.sleep(0.15)  # server-a died holding two prompts
+    reclaimed = q.read("server-b", count=5, block_ms=200)
+    assert [p.dataset_index for _, p in reclaimed] == [1, 2]
+    assert q.feed(source, version=1, prompts_per_version=4, max_staleness=1) == 4
+    client.xadd(KEYS.prompts, {"p": b"\xff\xff not a prompt"})
+    fresh = q.read("server-b", count=10, block_ms=200)
+    assert [p.dataset_index for _, p in fresh] == [3, 4, 5, 6, 7, 9, 10, 11, 12]
+    assert buffer_stats(client, KEYS)["buffer/prompts_dead_letter"] == 1
+
+
+def test_version_and_registry(client: redis.Redis) -> None:
+    assert read_version(client, KEYS) == 0
+    publish_version(client, KEYS, 3)
+    assert read_version(client, KEYS) == 3
+    reg = ServerRegistry(client, KEYS)
+    reg.heartbeat(ServerInfo("a", address="127.0.0.1:5001", engine="transformers", policy_version=3), ttl_s=30)
+    reg.heartbeat(ServerInfo("b", address="127.0.0.1:5002", engine="vllm", extra={"gpu": 1}), ttl_s=0.2)
+    live = reg.live()
+    assert [(s.server_id, s.address, s.engine) for s in live] == [
+        ("a", "127.0.0.1:5001", "transformers"),
+        ("b", "127.0.0.1:5002", "vllm"),
+    ]
+    assert live[1].extra == {"gpu": 1}
+    assert 0 <= live[0].heartbeat_age_s < 30
+    time.sleep(0.3)  # b stops heartbeating
+    assert [s.server_id for s in reg.live()] == ["a"]
+    assert client.smembers(KEYS.servers) == {b"a"}  # the expired id was pruned from the index
+    reg.remove("a")
+    assert reg.live() == []
+
+
+def test_stats_before_anything_exists(client: redis.Redis) -> None:
+    s = buffer_stats(client, KEYS)
+    assert s["buffer/depth"] == 0
+    assert s["buffer/oldest_age_s"] == 0
+    assert s["buffer/pending"] == 0
+    assert s["buffer/staleness_max"] == 0
+
+
+def test_oldest_age_uses_the_oldest_entry(client: redis.Redis) -> None:
+    writer = TrajectoryWriter(client, KEYS, cfg())
+    writer.put(make_group(seed=0))
+    time.sleep(0.05)
+    writer.put(make_group(seed=1))
+    s = buffer_stats(client, KEYS)
+    assert s["buffer/depth"] == 2
+    assert s["buffer/oldest_age_s"] >= 0.04

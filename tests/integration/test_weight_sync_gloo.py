@@ -1,0 +1,134 @@
+"""Gloo transfer end to end in one process: the learner's sender and two receivers behind real gRPC servers.
+
+The receivers' grpc.aio servers run on an event loop in a background thread because the sender is
+blocking code (as in the learner); gloo groups between threads are as real as between processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from tether.config import TetherConfig
+from tether.tiny_model import make_tiny_model
+from tether.v1 import control_pb2_grpc
+from weight_sync.receiver import WeightReceiver
+from weight_sync.sender import WeightSender
+from weight_sync.standalone import ControlServicer, ModelEngine
+
+pytestmark = pytest.mark.timeout(120)
+PROMPT = torch.tensor([[60, 61, 62, 63, 64]])
+
+
+def greedy(model: torch.nn.Module) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=12, do_sample=False)
+    return out[0, PROMPT.shape[1] :].tolist()
+
+
+class Fleet:
+    """Receivers (engine + WeightReceiver + Control server) on one background event loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.servers: list[grpc.aio.Server] = []
+        self.engines: list[ModelEngine] = []
+
+    def add(self, model_dir: Path, cfg: TetherConfig) -> str:
+        async def start() -> str:
+            engine = ModelEngine.from_path(model_dir)
+            receiver = WeightReceiver(engine, cfg)
+            await receiver.catch_up()
+            server = grpc.aio.server()
+            control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(receiver, engine), server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            self.servers.append(server)
+            self.engines.append(engine)
+            return f"127.0.0.1:{port}"
+
+        return asyncio.run_coroutine_threadsafe(start(), self.loop).result(60)
+
+    def close(self) -> None:
+        for server in self.servers:
+            asyncio.run_coroutine_threadsafe(server.stop(None), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def fleet() -> Iterator[Fleet]:
+    f = Fleet()
+    yield f
+    f.close()
+
+
+def _cfg(tmp_path: Path, *, bucket_size_mb: float = 0.25) -> TetherConfig:
+    return TetherConfig.model_validate({
+        "run": {"run_id": "ws", "output_dir": str(tmp_path)},
+        "weight_sync": {"transport": {"type": "gloo", "master_port": 0}, "bucket_size_mb": bucket_size_mb,
+                        "verify_checksums": True, "prepare_timeout_s": 10, "transfer_timeout_s": 20,
+                        "commit_timeout_s": 20},
+    })
+
+
+@pytest.mark.parametrize("bucket_size_mb", [0.25, 1e-6])  # bucketed, and one tensor per bucket
+def test_gloo_update_reaches_every_receiver(
+    tmp_path: Path, tiny_model_dir: Path, fleet: Fleet, bucket_size_mb: float
+) -> None:
+    cfg = _cfg(tmp_path, bucket_size_mb=bucket_size_mb)
+    learner = ModelEngine.from_path(make_tiny_model(tmp_path / "learner", hidden=128, layers=2, heads=4, seed=1)).model
+    addresses = [fleet.add(tiny_model_dir, cfg) for _ in range(2)]
+    assert greedy(fleet.engines[0].model) != greedy(learner)
+
+    sender = WeightSender(cfg, model=learner, servers=addresses)
+    try:
+        metrics = sender.publish(1)
+        assert metrics["weight_sync/reached"] == 2 and metrics["weight_sync/dropped"] == 0, sender.last_dropped
+        assert metrics["weight_sync/bytes"] == sender.layout.num_bytes > 0 and metrics["weight_sync/seconds"] > 0
+        expected = dict(learner.named_parameters())
+        for engine in fleet.engines:
+            assert engine.policy_version == 1 and engine.paused is None
+            for name, param in engine.model.named_parameters():
+                torch.testing.assert_close(param, expected[name], rtol=0, atol=0)
+            assert greedy(engine.model) == greedy(learner)
+
+        # Same membership: the group is reused (no rebuild), and a second version lands too.
+        with torch.no_grad():
+            for p in learner.parameters():
+                p.mul_(1.5)
+        metrics = sender.publish(2)
+        assert metrics["weight_sync/reached"] == 2 and metrics["weight_sync/group_rebuild_seconds"] == 0
+        for engine in fleet.engines:
+            assert engine.policy_version == 2
+            torch.testing.assert_close(engine.model.lm_head.weight, learner.lm_head.weight, rtol=0, atol=0)
+    finally:
+        sender.close()
+
+
+def test_a_server_joining_later_converges(tmp_path: Path, tiny_model_dir: Path, fleet: Fleet) -> None:
+    cfg = _cfg(tmp_path)
+    learner = ModelEngine.from_path(make_tiny_model(tmp_path / "learner", hidden=128, layers=2, heads=4, seed=1)).model
+    addresses = [fleet.add(tiny_model_dir, cfg)]
+    sender = WeightSender(cfg, model=learner, servers=lambda: list(addresses))
+    try:
+        assert sender.publish(1)["weight_sync/reached"] == 1
+        addresses.append(fleet.add(tiny_model_dir, cfg))  # starts late: catches up from the v1 snapshot
+        assert fleet.engines[1].policy_version == 1
+        with torch.no_grad():
+            learner.model.norm.weight.add_(1.0)
+        metrics = sender.publish(2)  # membership changed: a new group epoch with both
+        assert metrics["weight_sync/reached"] == 2 and metrics["weight_sync/group_rebuild_seconds"] > 0
+        for engine in fleet.engines:
+            assert engine.policy_version == 2
+            torch.testing.assert_close(engine.model.model.norm.weight, learner.model.norm.weight, rtol=0, atol=0)
+    finally:
+        sender.close()

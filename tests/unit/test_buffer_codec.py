@@ -1,0 +1,185 @@
+"""Pure logic of the buffer: admission arithmetic, staleness, payload encoding, compression, the wire codec."""
+
+from __future__ import annotations
+
+import pickle
+import zlib
+
+import numpy as np
+import pytest
+
+from buffer.codec import (
+    CODEC_PROTOBUF,
+    CODEC_PROTOBUF_ZLIB,
+    admission_allowance,
+    decode_payload,
+    encode_payload,
+    read_header,
+    staleness_of,
+)
+from buffer.wire import decode_group_fast, encode_group_fast
+from tether.trajectory import GroupData, InvalidTrajectory, TrajectoryData, decode_group, encode_group
+from tether.v1 import trajectory_pb2 as pb
+
+
+def make_group(*, tokens: int = 16, g: int = 4, version: int = 2, rich: bool = False, seed: int = 0) -> GroupData:
+    rng = np.random.default_rng(seed)
+    trajs = []
+    for i in range(g):
+        versions = np.full(tokens, version, dtype=np.int32)
+        versions[:2] = max(0, version - 1)
+        trajs.append(
+            TrajectoryData(
+                prompt_token_ids=rng.integers(0, 1000, 5, dtype=np.int32),
+                completion_token_ids=rng.integers(0, 1000, tokens, dtype=np.int32),
+                behavior_logprobs=-rng.random(tokens, dtype=np.float32),
+                policy_versions=versions,
+                loss_mask=np.ones(tokens, dtype=np.uint8),
+                reward=float(i),
+                finish_reason=pb.FINISH_REASON_STOP,
+                server_id="rollout-0",
+                reward_components={"format": 0.5, "answer": 1.0} if rich else {},
+                metadata={"turns": "3"} if rich else {},
+                started_at=1700000000.25 if rich else 0.0,
+                finished_at=1700000001.5 if rich else 0.0,
+            )
+        )
+    return GroupData(group_id=f"group-{seed}", trajectories=trajs, prompt_id="1-0", metadata={"k": "v"} if rich else {})
+
+
+# -- admission -------------------------------------------------------------------------------------------
+def test_admission_synchronous_issues_one_version_at_a_time() -> None:
+    assert admission_allowance(0, version=0, prompts_per_version=8, max_staleness=0) == 8
+    assert admission_allowance(8, version=0, prompts_per_version=8, max_staleness=0) == 0
+    assert admission_allowance(8, version=1, prompts_per_version=8, max_staleness=0) == 8
+
+
+def test_admission_runs_ahead_by_max_staleness_versions() -> None:
+    assert admission_allowance(0, version=0, prompts_per_version=4, max_staleness=2) == 12
+    assert admission_allowance(10, version=3, prompts_per_version=4, max_staleness=2) == 14
+    assert admission_allowance(100, version=1, prompts_per_version=4, max_staleness=1) == 0  # never negative
+
+
+@pytest.mark.parametrize("kwargs", [{"prompts_per_version": 0}, {"max_staleness": -1}, {"version": -1}])
+def test_admission_rejects_nonsense(kwargs: dict) -> None:
+    args = {"version": 0, "prompts_per_version": 4, "max_staleness": 1} | kwargs
+    with pytest.raises(ValueError):
+        admission_allowance(0, **args)
+
+
+def test_staleness_of() -> None:
+    assert staleness_of(3, 5) == 2
+    assert staleness_of(5, 5) == 0
+    assert staleness_of(7, 5) == 0  # tagged with a version the learner has not reached: fresh
+    assert staleness_of(-1, 5) == 0  # a group without completion tokens
+
+
+# -- the wire codec ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rich", [False, True])
+def test_fast_encoding_is_the_same_message_as_the_generated_one(rich: bool) -> None:
+    group = make_group(rich=rich)
+    fast, generated = pb.TrajectoryGroup.FromString(encode_group_fast(group)), pb.TrajectoryGroup()
+    generated.ParseFromString(encode_group(group))
+    assert fast == generated
+
+
+@pytest.mark.parametrize("rich", [False, True])
+def test_fast_decoding_matches_the_generated_decoder(rich: bool) -> None:
+    data = encode_group(make_group(rich=rich, seed=3))
+    fast, ref = decode_group_fast(data), decode_group(data)
+    assert (fast.group_id, fast.prompt_id, fast.metadata) == (ref.group_id, ref.prompt_id, ref.metadata)
+    for a, b in zip(fast.trajectories, ref.trajectories, strict=True):
+        for name in ("prompt_token_ids", "completion_token_ids", "behavior_logprobs", "policy_versions", "loss_mask"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+            assert getattr(a, name).dtype == getattr(b, name).dtype
+        for name in (
+            "id",
+            "group_id",
+            "reward",
+            "reward_components",
+            "finish_reason",
+            "server_id",
+            "metadata",
+            "logprob_source",
+            "started_at",
+            "finished_at",
+        ):
+            assert getattr(a, name) == getattr(b, name), name
+
+
+def test_fast_decoder_defers_to_the_generated_parser_on_unknown_fields() -> None:
+    msg = pb.TrajectoryGroup.FromString(encode_group(make_group()))
+    data = msg.SerializeToString() + b"\xa2\x06\x03abc"  # field 100, length-delimited: unknown, legal
+    assert decode_group_fast(data).group_id == "group-0"
+
+
+def test_fast_decoder_keeps_the_contract_checks() -> None:
+    msg = pb.TrajectoryGroup.FromString(encode_group(make_group()))
+    msg.trajectories[1].loss_mask = msg.trajectories[1].loss_mask[:-1]
+    with pytest.raises(InvalidTrajectory, match="loss_mask has 15 elements for 16"):
+        decode_group_fast(msg.SerializeToString())
+    msg = pb.TrajectoryGroup.FromString(encode_group(make_group()))
+    msg.trajectories[0].group_id = "another"
+    with pytest.raises(InvalidTrajectory, match="its group is"):
+        decode_group_fast(msg.SerializeToString())
+    msg.ClearField("trajectories")
+    with pytest.raises(InvalidTrajectory, match="empty"):
+        decode_group_fast(msg.SerializeToString())
+
+
+def test_fast_decoder_hands_out_views_not_copies() -> None:
+    data = encode_group(make_group(tokens=1024))
+    t = decode_group_fast(data).trajectories[0]
+    assert not t.completion_token_ids.flags.writeable  # a read-only view into the payload
+    assert t.completion_token_ids.base is not None
+
+
+# -- payloads ---------------------------------------------------------------------------------------------
+def test_small_payloads_stay_uncompressed() -> None:
+    codec, payload = encode_payload(make_group(), compression="zlib", compress_min_bytes=1 << 20)
+    assert codec == CODEC_PROTOBUF
+    assert decode_payload(codec, payload).group_id == "group-0"
+
+
+def test_large_compressible_payloads_are_zlib_and_round_trip() -> None:
+    group = make_group(tokens=4096)
+    for t in group.trajectories:  # repetitive tokens compress; random log-probs would not
+        t.completion_token_ids = np.zeros(4096, dtype=np.int32)
+        t.behavior_logprobs = np.zeros(4096, dtype=np.float32)
+    codec, payload = encode_payload(group, compression="zlib", compress_min_bytes=1024)
+    assert codec == CODEC_PROTOBUF_ZLIB
+    assert len(payload) < len(encode_group(group)) // 4
+    back = decode_payload(codec, payload)
+    np.testing.assert_array_equal(back.trajectories[2].policy_versions, group.trajectories[2].policy_versions)
+
+
+def test_compression_never_grows_a_payload() -> None:
+    for tokens in (1, 8, 64):
+        group = make_group(tokens=tokens, g=1, seed=tokens)
+        plain = encode_group_fast(group)
+        codec, payload = encode_payload(group, compression="zlib", compress_min_bytes=0)
+        assert len(payload) <= len(plain)
+        assert codec == (CODEC_PROTOBUF_ZLIB if len(zlib.compress(plain, 1)) < len(plain) else CODEC_PROTOBUF)
+
+
+@pytest.mark.parametrize(
+    ("codec", "payload", "match"),
+    [
+        (CODEC_PROTOBUF, b"\xff\xfe garbage \x00\x01", "not a TrajectoryGroup"),
+        (CODEC_PROTOBUF, pickle.dumps({"group_id": "x", "trajectories": []}), None),
+        (CODEC_PROTOBUF_ZLIB, b"not zlib at all", "does not decompress"),
+        (CODEC_PROTOBUF_ZLIB, zlib.compress(b"x" * 1000)[:-6], "truncated"),
+        (b"pickle", b"\x80\x04", "unknown payload codec"),
+    ],
+)
+def test_bad_payloads_raise_invalid_trajectory(codec: bytes, payload: bytes, match: str | None) -> None:
+    with pytest.raises(InvalidTrajectory, match=match):
+        decode_payload(codec, payload)
+
+
+def test_header_of_a_foreign_entry_never_raises() -> None:
+    head = read_header({b"v": b"not-a-number", b"n": b"12x", b"g": b"\xff"})
+    assert head.oldest_version is None
+    assert head.nbytes == 0
+    assert head.codec == b""
+    assert read_header({b"v": b"4", b"n": b"100", b"c": b"pb", b"g": b"g1"}).oldest_version == 4

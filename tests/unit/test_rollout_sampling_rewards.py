@@ -1,0 +1,108 @@
+"""Sampling numerics against closed forms, the built-in rewards, and the SGLang adapter's missing-package error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout_server.engines.sampling import RowParams, sample
+from rollout_server.rewards import last_boxed, math_equal, math_reward, normalize_answer
+
+
+def _params(rows: list[tuple[float, float, int, int | None]]) -> RowParams:
+    return RowParams.build(rows, torch.device("cpu"))
+
+
+def test_logprobs_are_raw_log_softmax_whatever_the_temperature() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    tokens, logps = sample(
+        logits, _params([(0.7, 0.9, 0, None), (1.0, 1.0, -1, 3), (0.0, 1.0, 0, None), (2.0, 0.5, 5, 1)])
+    )
+    expected = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(logps, expected)
+
+
+def test_greedy_top_k_1_and_tiny_top_p_pick_the_argmax() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(3, 100)
+    tokens, _ = sample(logits, _params([(0.0, 1.0, 0, None), (1.0, 1.0, 1, None), (1.0, 1e-6, 0, None)]))
+    assert tokens.tolist() == [int(logits[i].argmax()) for i in range(3)]
+
+
+def test_top_k_and_top_p_restrict_the_support() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(400, 1)
+    tokens, _ = sample(logits, _params([(1.0, 1.0, 2, None)] * 400))
+    assert set(tokens.tolist()) <= {0, 1}
+    probs = torch.softmax(logits[0], -1)  # [0.636, 0.234, 0.086, ...]: top_p 0.8 keeps tokens 0 and 1
+    assert probs[0] < 0.8 < probs[0] + probs[1]
+    tokens, _ = sample(logits, _params([(1.0, 0.8, 0, None)] * 400))
+    assert set(tokens.tolist()) == {0, 1}
+
+
+def test_seeded_rows_are_reproducible() -> None:
+    logits = torch.zeros(2, 1000)
+    a, _ = sample(logits, _params([(1.0, 1.0, 0, 7), (1.0, 1.0, 0, 8)]))
+    b, _ = sample(logits, _params([(1.0, 1.0, 0, 7), (1.0, 1.0, 0, 8)]))
+    assert a.tolist() == b.tolist()
+
+
+@pytest.mark.parametrize(
+    ("completion", "reference", "correct"),
+    [
+        ("so the answer is \\boxed{42}", "42", True),
+        ("\\boxed{\\frac{1}{2}}", "0.5", True),
+        ("\\boxed{-\\frac{3}{4}}", "-0.75", True),
+        ("\\boxed{1,000}", "1000", True),
+        ("\\boxed{1{,}000}", "1000", False),
+        ("we get 3/6 at the end", "1/2", True),
+        ("\\boxed{2.50}", "5/2", True),
+        ("\\boxed{-7}", "7", False),
+        ("first \\boxed{3} then \\boxed{4}", "4", True),
+        ("\\boxed{x+1}", "x + 1", True),
+        ("no answer here", "3", False),
+        ("\\boxed{\\text{12}}.", "12", True),
+    ],
+)
+def test_math_reward(completion: str, reference: str, correct: bool) -> None:
+    reward, parts = math_reward(completion, reference)
+    assert reward == float(correct) and parts["correct"] == float(correct)
+
+
+def test_math_helpers_and_format_bonus() -> None:
+    assert last_boxed("\\boxed{\\frac{a}{b}} x") == "\\frac{a}{b}"
+    assert last_boxed("\\boxed{unclosed") is None
+    assert normalize_answer(" $1,234,567$ ") == "1234567"
+    assert math_equal("0.125", "1/8") and not math_equal("1,2", "12")
+    assert math_reward("\\boxed{5}", "6", format_bonus=0.1)[0] == 0.1
+    assert math_reward("5", "6", format_bonus=0.1)[0] == 0.0
+
+
+async def test_local_rewards_by_config() -> None:
+    from rollout_server.rewards import RewardError, ScoreItem, build_reward
+    from tether.config import load_config
+
+    def item(text: str, ctx: dict[str, str]) -> ScoreItem:
+        return ScoreItem("p", text, [1], [2], ctx, "t")
+
+    exact = build_reward(load_config(None, ["--rollout.reward.type", "exact_match"]))
+    assert await exact.score([item(" 42\n", {"answer": "42"}), item("41", {"answer": "42"})]) == [(1.0, {}), (0.0, {})]
+    with pytest.raises(RewardError, match="answer"):
+        await exact.score([item("42", {})])
+    demo = build_reward(load_config(None, []))
+    assert (await demo.score([item("1234", {"answer": "digits"})]))[0][0] == 1.0
+
+
+def test_sglang_missing_package_is_a_clear_error() -> None:
+    pytest.importorskip("torch")
+    try:
+        import sglang  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("sglang is installed here")
+    from rollout_server.engines import EngineError, build_engine
+    from tether.config import load_config
+
+    with pytest.raises(EngineError, match="needs the 'sglang' package"):
+        build_engine(load_config(None, ["--rollout.engine.type", "sglang"]))

@@ -1,0 +1,188 @@
+"""``tether status`` and the live progress line of ``tether up``: a run, as Redis sees it.
+
+Everything shown is read from the run's Redis keys (``buffer.keys.RedisKeys``): the published policy
+version, the learner's hash (``step``, ``reward_mean``, ``tokens_per_s`` when it publishes them), buffer
+counters and the server registry. Rates are differences between two samples, so they need no clock
+agreement between hosts. Neither view may take a run down: every Redis error becomes "redis: unreachable".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import TextIO
+
+import redis
+
+from buffer import RedisKeys, ServerRegistry, buffer_stats, read_version
+from tether.config import TetherConfig
+from tether.redis_server import RedisUnavailable, connect_redis
+
+_ERRORS = (redis.RedisError, RedisUnavailable, OSError, ValueError)
+
+
+class _Sample:
+    def __init__(self, client: redis.Redis, keys: RedisKeys) -> None:
+        self.time = time.monotonic()
+        self.version = read_version(client, keys)
+        self.stats = buffer_stats(client, keys)
+        raw = client.hgetall(keys.learner)
+        self.learner = {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
+
+    def learner_str(self, name: str) -> str:
+        raw = self.learner.get(name)
+        return raw.decode(errors="replace") if isinstance(raw, bytes) else "-"
+
+    def learner_float(self, name: str) -> float | None:
+        try:
+            return float(self.learner[name])
+        except (KeyError, ValueError, TypeError):
+            return None
+
+
+def _rate(new: _Sample, old: _Sample | None, key: str) -> float | None:
+    if old is None or new.time <= old.time:
+        return None
+    return (new.stats[key] - old.stats[key]) / (new.time - old.time)
+
+
+def _recent_staleness(new: _Sample, old: _Sample | None) -> float:
+    """Mean staleness of groups trained on since ``old`` (all of the run's when there is no ``old``)."""
+    lags = {}
+    for k, v in new.stats.items():
+        if k.startswith("buffer/staleness/"):
+            lag = int(k.rsplit("/", 1)[1])
+            lags[lag] = v - (old.stats.get(k, 0.0) if old else 0.0)
+    total = sum(lags.values())
+    return sum(k * v for k, v in lags.items()) / total if total > 0 else new.stats.get("buffer/staleness_mean", 0.0)
+
+
+def _fmt(value: float | None, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render_status(cfg: TetherConfig, client: redis.Redis, new: _Sample, old: _Sample | None) -> str:
+    keys = RedisKeys(cfg.run.run_id or "")
+    s = new.stats
+    tokens_per_s = new.learner_float("tokens_per_s")
+    lines = [
+        f"run {cfg.run.run_id}   policy version {new.version}   learner step {new.learner_str('step')}",
+        f"reward mean {_fmt(new.learner_float('reward_mean'), '.3f')}   learner tokens/s {_fmt(tokens_per_s, '.0f')}",
+        "",
+        f"buffer: depth {s['buffer/depth']:.0f}   pending {s['buffer/pending']:.0f}   "
+        f"{s['buffer/bytes'] / 2**20:.1f} MiB   oldest {s['buffer/oldest_age_s']:.1f}s   "
+        f"prompts queued {s['buffer/prompts_depth']:.0f} (issued {s['buffer/prompts_issued']:.0f})",
+        f"groups: produced {s['buffer/produced']:.0f}   consumed {s['buffer/consumed']:.0f}   "
+        f"acknowledged {s['buffer/acknowledged']:.0f}   dropped stale {s['buffer/dropped_stale']:.0f}   "
+        f"dead letter {s['buffer/dead_letter']:.0f}   duplicates {s['buffer/duplicates']:.0f}",
+        f"staleness: mean {s['buffer/staleness_mean']:.2f}   max {s['buffer/staleness_max']:.0f}   "
+        f"(max_staleness {cfg.algorithm.max_staleness})",
+        f"throughput: produced {_fmt(_rate(new, old, 'buffer/produced'))} groups/s   "
+        f"trained {_fmt(_rate(new, old, 'buffer/acknowledged'))} groups/s   "
+        f"generated {_fmt(_rate(new, old, 'buffer/tokens'), '.0f')} tokens/s",
+        "",
+    ]
+    servers = ServerRegistry(client, keys).live()
+    lines.append(f"rollout servers: {len(servers)} live")
+    if servers:
+        lines.append(f"  {'id':<20} {'address':<22} {'engine':<13} {'version':>7} {'heartbeat':>9}")
+        for info in servers:
+            lines.append(
+                f"  {info.server_id:<20} {info.address:<22} {info.engine:<13} {info.policy_version:>7} "
+                f"{info.heartbeat_age_s:>8.1f}s"
+            )
+    return "\n".join(lines)
+
+
+def show_status(cfg: TetherConfig, *, watch: bool = False, out: TextIO | None = None, interval_s: float = 1.0) -> int:
+    """Print the run's status (twice-sampled for rates); with ``watch``, refresh until Ctrl-C. 0, or 1 when
+    Redis cannot be reached."""
+    out = out or sys.stdout
+    keys = RedisKeys(cfg.run.run_id or "")
+    try:
+        client = connect_redis(cfg.buffer.redis_url, timeout_s=2.0)
+    except RedisUnavailable as e:
+        print(f"tether status: redis: unreachable — {e}", file=sys.stderr)
+        return 1
+    try:
+        old = _Sample(client, keys)
+        while True:
+            time.sleep(interval_s)
+            new = _Sample(client, keys)
+            text = render_status(cfg, client, new, old)
+            if watch and out.isatty():
+                out.write("\x1b[H\x1b[2J")  # clear the screen: a top-like view
+            out.write(text + "\n")
+            out.flush()
+            if not watch:
+                return 0
+            old = new
+    except KeyboardInterrupt:
+        return 0
+    except _ERRORS as e:
+        print(f"tether status: redis: unreachable — {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+
+
+class ProgressLine:
+    """One self-overwriting status line for ``tether up``; ``update()`` about once a second, never raises."""
+
+    def __init__(self, cfg: TetherConfig, *, out: TextIO | None = None, plain_every_s: float = 10.0) -> None:
+        self.cfg = cfg
+        self.keys = RedisKeys(cfg.run.run_id or "")
+        self.out = out or sys.stdout
+        self.plain_every_s = plain_every_s
+        self._client: redis.Redis | None = None
+        self._last: _Sample | None = None
+        self._width = 0
+        self._last_plain = 0.0
+
+    def line(self) -> str:
+        """The current line's text (also used by tests)."""
+        try:
+            if self._client is None:
+                self._client = connect_redis(self.cfg.buffer.redis_url, timeout_s=0.5)
+            new = _Sample(self._client, self.keys)
+        except Exception:
+            # Anything at all (Redis down, a half-written key): the launcher's loop must keep running.
+            self._drop_client()
+            return "redis: unreachable"
+        old, self._last = self._last, new
+        s = new.stats
+        return (
+            f"step {new.learner_str('step')} | v{new.version} | "
+            f"reward {_fmt(new.learner_float('reward_mean'), '.3f')} | "
+            f"gen {_fmt(_rate(new, old, 'buffer/tokens'), '.0f')} tok/s | "
+            f"staleness {_recent_staleness(new, old):.2f} | buffer {s['buffer/depth']:.0f}"
+        )
+
+    def update(self) -> None:
+        with contextlib.suppress(Exception):
+            text = self.line()
+            if self.out.isatty():
+                pad = max(0, self._width - len(text))
+                self.out.write("\r" + text + " " * pad)
+                self._width = len(text)
+            else:  # a log file or pipe: carriage returns would pile up, so a plain line now and then
+                now = time.monotonic()
+                if now - self._last_plain < self.plain_every_s:
+                    return
+                self._last_plain = now
+                self.out.write(text + "\n")
+            self.out.flush()
+
+    def _drop_client(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+        self._client = None
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            if self._width and self.out.isatty():
+                self.out.write("\n")
+                self.out.flush()
+        self._drop_client()

@@ -1,0 +1,142 @@
+"""Bucketing: the layout of an update (names, dtypes, shapes → bucket and byte offset) and flat buffers.
+
+Sending one collective per tensor pays a round trip per tensor (hundreds for a 7B model), so tensors of
+one dtype are packed back to back into flat ``uint8`` buffers of at most ``bucket_size_mb``. The layout
+is computed from metadata alone (a DTensor knows its global shape and dtype without gathering), so the
+learner announces the whole plan before it gathers anything, and the receiver can allocate and later
+slice each bucket without any further metadata. A tensor larger than the bucket size gets a bucket of
+its own. Offsets are aligned to 16 bytes so every view is aligned for any dtype.
+
+Everything here is pure tensor code: the same functions pack on the learner, unpack on a receiver, and
+write/read filesystem snapshots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tether.v1 import control_pb2
+
+_ALIGN = 16
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"`` (the proto's spelling)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in a weight-update plan")
+    return dtype
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of an update lives: ``tensors[i].bucket`` / ``offset_bytes`` into ``buckets``."""
+
+    tensors: list[control_pb2.TensorMeta]
+    buckets: list[control_pb2.Bucket]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.num_bytes for b in self.buckets)
+
+    def bucket_members(self) -> list[list[control_pb2.TensorMeta]]:
+        members: list[list[control_pb2.TensorMeta]] = [[] for _ in self.buckets]
+        for meta in self.tensors:
+            members[meta.bucket].append(meta)
+        return members
+
+    @staticmethod
+    def from_plan(plan: control_pb2.WeightUpdatePlan) -> Layout:
+        return Layout(tensors=list(plan.tensors), buckets=list(plan.buckets))
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * dtype.itemsize
+
+
+def plan_layout(metas: Iterable[tuple[str, torch.dtype, Sequence[int]]], *, bucket_size_bytes: int) -> Layout:
+    """Assign each ``(name, dtype, shape)`` a bucket and an offset, keeping the input order per dtype.
+
+    The input order is the gather order, so buckets fill and can be sent in the order tensors are
+    gathered; one open bucket per dtype keeps the packing independent of how dtypes interleave.
+    """
+    if bucket_size_bytes <= 0:
+        raise ValueError("bucket_size_bytes must be positive")
+    tensors: list[control_pb2.TensorMeta] = []
+    buckets: list[control_pb2.Bucket] = []
+    open_bucket: dict[torch.dtype, int] = {}
+    for name, dtype, shape in metas:
+        size = _nbytes(shape, dtype)
+        index = open_bucket.get(dtype)
+        if index is not None:
+            start = -(-buckets[index].num_bytes // _ALIGN) * _ALIGN
+            if start + size > bucket_size_bytes:
+                index = None
+        if index is None:
+            index = len(buckets)
+            buckets.append(control_pb2.Bucket(dtype=dtype_name(dtype), num_bytes=0))
+            open_bucket[dtype] = index
+            start = 0
+        buckets[index].num_bytes = start + size
+        tensors.append(
+            control_pb2.TensorMeta(
+                name=name, dtype=dtype_name(dtype), shape=list(shape), bucket=index, offset_bytes=start
+            )
+        )
+    # Renumber buckets in the order they complete (their last member), so the sender can send bucket
+    # k as soon as it is full and receivers take them in index order even when dtypes interleave.
+    last = {meta.bucket: i for i, meta in enumerate(tensors)}
+    order = sorted(range(len(buckets)), key=lambda b: last[b])
+    renumber = {old: new for new, old in enumerate(order)}
+    for meta in tensors:
+        meta.bucket = renumber[meta.bucket]
+    return Layout(tensors=tensors, buckets=[buckets[old] for old in order])
+
+
+def bucket_ready_order(layout: Layout) -> list[int]:
+    """After the i-th tensor (gather order) is packed, which buckets are complete: index of the last member."""
+    last: dict[int, int] = {}
+    for i, meta in enumerate(layout.tensors):
+        last[meta.bucket] = i
+    return [last.get(b, -1) for b in range(len(layout.buckets))]
+
+
+def empty_bucket(bucket: control_pb2.Bucket, device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.empty(int(bucket.num_bytes), dtype=torch.uint8, device=device)
+
+
+def view(flat: torch.Tensor, meta: control_pb2.TensorMeta) -> torch.Tensor:
+    """The tensor ``meta`` describes, as a view into its bucket's flat ``uint8`` buffer (no copy)."""
+    dtype = dtype_from_name(meta.dtype)
+    shape = [int(s) for s in meta.shape]
+    size = _nbytes(shape, dtype)
+    chunk = flat[meta.offset_bytes : meta.offset_bytes + size]
+    return chunk.view(dtype).view(shape)
+
+
+def pack_into(flat: torch.Tensor, meta: control_pb2.TensorMeta, tensor: torch.Tensor) -> None:
+    target = view(flat, meta)
+    if tuple(tensor.shape) != tuple(target.shape) or tensor.dtype != target.dtype:
+        raise ValueError(
+            f"{meta.name}: tensor is {tuple(tensor.shape)} {tensor.dtype}, plan says {tuple(target.shape)} {meta.dtype}"
+        )
+    target.copy_(tensor)
+
+
+def unpack(flat: torch.Tensor, members: Iterable[control_pb2.TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+    return [(meta.name, view(flat, meta)) for meta in members]
+
+
+def checksum(tensor: torch.Tensor) -> float:
+    """Sum in float64: equal tensors give equal sums on every process (the proto's verification value)."""
+    return float(tensor.detach().to(torch.float64).sum().item())

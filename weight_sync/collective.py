@@ -1,0 +1,165 @@
+"""Collective groups between one learner and N rollout servers, apart from torchrun's default group.
+
+The learner already lives in a torchrun world; rollout servers come and go. So the weight-sync group is
+built by hand: learner rank 0 hosts a ``TCPStore`` (its own port, not torchrun's) and every member
+constructs ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` directly on a ``PrefixStore`` named after the
+group epoch. Nothing here touches ``torch.distributed``'s default group or its registry, so a receiver
+dying can never wedge the learner's training collectives. Rank 0 is the sender; receivers are 1..N.
+
+Gloo and NCCL groups cannot shrink or grow, so when membership changes the sender bumps ``group_epoch``
+and every member builds a fresh group under a fresh prefix (cost measured in weight_sync/README.md).
+
+The rendezvous is gated by a ``go`` key per (update, epoch): a receiver that answered PrepareWeightUpdate
+waits on it, and the sender writes ``1`` only when every planned member is ready (otherwise ``0``, and
+the waiting receivers give up at once instead of at a timeout). Every blocking step has a timeout: the
+store wait, the group construction, and each broadcast (the process group's timeout).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import threading
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from tether.logs import get_logger
+from weight_sync.buckets import empty_bucket
+
+log = get_logger(__name__)
+
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+class TransferAborted(RuntimeError):
+    """The sender called this update off before the transfer began (a planned member was not ready)."""
+
+
+def _timeout(seconds: float) -> _dt.timedelta:
+    return _dt.timedelta(seconds=max(0.001, seconds))
+
+
+def parse_init_method(init_method: str) -> tuple[str, int]:
+    url = urlparse(init_method)
+    if url.scheme != "tcp" or not url.hostname or not url.port:
+        raise ValueError(f"weight-sync init_method {init_method!r}: expected tcp://HOST:PORT")
+    return url.hostname, url.port
+
+
+def check_backend(backend: str) -> None:
+    if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise RuntimeError(
+            "weight_sync.transport.type is nccl but this process has no CUDA device (or torch lacks NCCL) "
+            "— use transport.type: gloo (CPU) or filesystem"
+        )
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"unknown collective backend {backend!r}")
+
+
+def go_key(update_id: str, epoch: int) -> str:
+    return f"go/{update_id}/{epoch}"
+
+
+def build_group(
+    *, backend: str, store: dist.Store, rank: int, world_size: int, epoch: int, timeout_s: float, host: str
+) -> dist.ProcessGroup:
+    """A process group of ``world_size`` on ``store`` under this epoch's prefix; blocks until all join."""
+    check_backend(backend)
+    prefixed = dist.PrefixStore(f"tether/weight_sync/epoch{epoch}/", store)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = _timeout(timeout_s)
+        # On one machine the hostname may resolve to an interface loopback peers cannot reach.
+        device = (
+            dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+            if host in _LOOPBACK
+            else dist.ProcessGroupGloo.create_default_device()
+        )
+        opts._devices = [device]
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = _timeout(timeout_s)
+    pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+    # NCCL connects lazily; one tiny collective makes construction failures surface here, not mid-update.
+    probe = torch.zeros(1, device="cuda")
+    pg.allreduce([probe]).wait(_timeout(timeout_s))
+    return pg
+
+
+def broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor, *, src: int = 0) -> dist.Work:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    return pg.broadcast([tensor], opts)
+
+
+def close_group(pg: dist.ProcessGroup | None) -> None:
+    """Tear a group down so peers blocked on it fail fast instead of waiting for their timeout."""
+    if pg is None:
+        return
+    for method in ("abort", "shutdown"):
+        try:
+            getattr(pg, method)()
+            return
+        except Exception:  # noqa: S112 - best effort: a broken group may refuse either
+            continue
+
+
+class CollectiveReceive:
+    """Receiver end: joins the group named in a plan and receives its buckets in a background thread.
+
+    Kept across updates so an unchanged membership (same epoch) reuses the group; updates are received
+    one at a time (a lock), so a late thread of an abandoned update never interleaves with the next.
+    """
+
+    def __init__(self, *, device: torch.device | str = "cpu", go_timeout_s: float = 150.0) -> None:
+        self.device = torch.device(device)
+        self.go_timeout_s = go_timeout_s
+        self._lock = threading.Lock()
+        self._pg: dist.ProcessGroup | None = None
+        self._epoch: tuple[str, int] | None = None
+        self._store: dist.TCPStore | None = None
+
+    def receive(self, plan, *, timeout_s: float) -> list[torch.Tensor]:
+        """Blocking: wait for ``go``, (re)build the group if the epoch changed, receive every bucket."""
+        src = plan.collective
+        with self._lock:
+            host, port = parse_init_method(src.init_method)
+            if self._epoch != (src.init_method, src.group_epoch):
+                close_group(self._pg)
+                self._pg, self._epoch = None, None
+                self._store = dist.TCPStore(host, port, is_master=False, timeout=_timeout(self.go_timeout_s))
+            store = self._store
+            key = go_key(plan.update_id, src.group_epoch)
+            store.wait([key], _timeout(self.go_timeout_s))
+            if store.get(key) != b"1":
+                raise TransferAborted(f"update {plan.update_id}: the sender called it off (a member was not ready)")
+            try:
+                if self._pg is None:
+                    self._pg = build_group(
+                        backend=src.backend,
+                        store=store,
+                        rank=src.rank,
+                        world_size=src.world_size,
+                        epoch=src.group_epoch,
+                        timeout_s=timeout_s,
+                        host=host,
+                    )
+                    self._epoch = (src.init_method, src.group_epoch)
+                flats = []
+                for bucket in plan.buckets:
+                    flat = empty_bucket(bucket, self.device)
+                    broadcast(self._pg, flat, src=src.src_rank).wait()
+                    flats.append(flat)
+                return flats
+            except Exception:
+                # A broken group is useless for the next update; the sender bumps the epoch anyway.
+                close_group(self._pg)
+                self._pg, self._epoch = None, None
+                raise
+
+    def close(self) -> None:
+        with self._lock:
+            close_group(self._pg)
+            self._pg, self._epoch, self._store = None, None, None

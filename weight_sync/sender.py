@@ -1,0 +1,247 @@
+"""The learner's side of a weight update: gather from FSDP2 shards, pack, send, run the handshake.
+
+``WeightSender.publish(version)`` is called on every learner rank because gathering a full tensor from
+FSDP2 shards (``DTensor.full_tensor()``) is a collective of the learner's own group. Tensors are gathered
+one parameter at a time in a fixed order, so at most one bucket per dtype (plus the ``depth`` buckets in
+flight) is ever materialised on rank 0 — never the whole model. Rank 0 alone talks to rollout servers:
+
+    prepare (gRPC, all servers at once, deadline) → begin (group ready?) → gather + pack + send each full
+    bucket while the next is packed (async broadcast handles) and write snapshot shards → finish (wait
+    the handles) → commit (gRPC, deadline) → report
+
+A server that errs or misses a deadline is dropped from this update and the learner carries on; it
+catches up from the snapshot (``WeightReceiver.catch_up`` / its commit fallback) or at the next update.
+Rank 0 first tells the other ranks (one broadcast on the learner's group) whether a gather is needed at
+all, so an update with no live server and no snapshot due costs nothing.
+
+    sender = WeightSender(cfg, model=fsdp_model, rank=rank, world_size=world, registry=registry)
+    metrics = sender.publish(version)   # on every rank; rank 0 returns weight_sync/* metrics
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tether.config import TetherConfig
+from tether.logs import get_logger
+from tether.v1 import control_pb2
+from weight_sync.buckets import bucket_ready_order, checksum, empty_bucket, pack_into, plan_layout
+from weight_sync.handshake import ControlClients, abort_all
+from weight_sync.snapshot import SnapshotWriter, snapshot_root
+from weight_sync.transport import make_sender_transport
+
+log = get_logger(__name__)
+
+_INFLIGHT = {"keep": control_pb2.INFLIGHT_POLICY_KEEP, "drain": control_pb2.INFLIGHT_POLICY_DRAIN}
+
+
+class WeightSender:
+    def __init__(
+        self,
+        cfg: TetherConfig,
+        *,
+        model: torch.nn.Module,
+        rank: int = 0,
+        world_size: int = 1,
+        registry: object | None = None,
+        servers: Sequence[str] | Callable[[], Sequence[str]] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """``registry`` (a ``buffer.ServerRegistry``) or ``servers`` (addresses, or a callable returning them)
+        names the receivers; ``process_group`` is the learner group the shards live on (default: torchrun's)."""
+        self.cfg = cfg
+        self.wcfg = cfg.weight_sync
+        self.rank, self.world_size = rank, world_size
+        self.registry, self.servers = registry, servers
+        self.process_group = process_group
+        # named_parameters() lists a tied weight once (embeddings / lm_head): it travels once.
+        self._params = list(model.named_parameters())
+        metas = [(name, p.dtype, tuple(p.shape)) for name, p in self._params]
+        self.layout = plan_layout(metas, bucket_size_bytes=max(1, int(self.wcfg.bucket_size_mb * 2**20)))
+        self._last_member = bucket_ready_order(self.layout)
+        self.last_dropped: dict[str, str] = {}
+        self.last_checksums: dict[str, float] = {}
+        self.on_bucket: Callable[[int, int], None] | None = None
+        """Progress hook on rank 0: ``(bucket index, bucket count)`` after each bucket is handed off."""
+        if rank == 0:
+            self.snapshot_root = snapshot_root(cfg) if self._snapshots_possible() else None
+            self.transport = make_sender_transport(self.wcfg, snapshot_root=self.snapshot_root)
+            self.clients = ControlClients(token=self.wcfg.control_token)
+
+    def _snapshots_possible(self) -> bool:
+        return self.wcfg.transport.type == "filesystem" or self.wcfg.snapshot_every > 0
+
+    def _live_servers(self) -> list[str]:
+        if self.registry is not None:
+            return sorted({info.address for info in self.registry.live()})
+        if callable(self.servers):
+            return list(self.servers())
+        return list(self.servers or [])
+
+    def publish(self, version: int) -> dict[str, float]:
+        """Push the model's current weights as ``version`` to every live server (call on every rank)."""
+        start = time.perf_counter()
+        if self.rank != 0:
+            if self._agree(False):
+                self._gather(sending=False, snapshot=None)
+            return {}
+        servers = self._live_servers()
+        self.clients.forget(servers)
+        update_id = f"v{version}-{uuid.uuid4().hex[:12]}"
+        dropped: dict[str, str] = {}
+        ready = self._prepare(servers, version, update_id, dropped) if servers else []
+        prepare_s = time.perf_counter() - start
+        sending = bool(ready) and self.transport.begin(update_id, ready)
+        if ready and not sending:
+            abort_all(self.clients, ready, update_id=update_id, reason="transfer group failed", timeout_s=5.0)
+            dropped.update(dict.fromkeys(ready, "transfer group could not be built"))
+            ready = []
+        snapshot_due = self.transport.needs_snapshot or (
+            self.wcfg.snapshot_every > 0 and version % self.wcfg.snapshot_every == 0
+        )
+        snapshot = SnapshotWriter(self.snapshot_root, version, self.layout) if snapshot_due else None
+        gather_start = time.perf_counter()
+        if self._agree(sending or snapshot is not None):
+            try:
+                self._gather(sending=sending, snapshot=snapshot)
+            except BaseException:
+                if snapshot is not None:
+                    snapshot.discard()
+                raise
+        transfer_ok = self.transport.finish() if sending else False
+        gather_s = time.perf_counter() - gather_start
+        if snapshot is not None:
+            snapshot.commit(keep=self.wcfg.keep_snapshots)
+        reached = self._commit(ready, version, update_id, transfer_ok, snapshot is not None, dropped)
+        seconds = time.perf_counter() - start
+        self.last_dropped = dropped
+        metrics = {
+            "weight_sync/version": float(version),
+            "weight_sync/bytes": float(self.layout.num_bytes),
+            "weight_sync/seconds": seconds,
+            "weight_sync/reached": float(reached),
+            "weight_sync/dropped": float(len(dropped)),
+            "weight_sync/prepare_seconds": prepare_s,
+            "weight_sync/transfer_seconds": gather_s,
+            "weight_sync/group_rebuild_seconds": getattr(self.transport, "rebuild_seconds", 0.0),
+            "weight_sync/snapshot": float(snapshot is not None),
+        }
+        log.info("weights_published", version=version, servers=len(servers), reached=reached,
+                 dropped=sorted(dropped), bytes=self.layout.num_bytes, seconds=round(seconds, 3))
+        return metrics
+
+    def _agree(self, gather: bool) -> bool:
+        """Rank 0 tells every learner rank whether this update gathers (one tiny broadcast)."""
+        if self.world_size <= 1 or not dist.is_initialized():
+            return gather
+        backend = dist.get_backend(self.process_group)
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
+        flag = torch.tensor([int(gather)], device=device)
+        dist.broadcast(flag, src=dist.get_global_rank(self.process_group, 0) if self.process_group else 0,
+                       group=self.process_group)
+        return bool(flag.item())
+
+    def _plans(self, servers: Sequence[str], version: int, update_id: str) -> dict[str, control_pb2.WeightUpdatePlan]:
+        sources = self.transport.sources(servers, version=version)
+        return {
+            s: control_pb2.WeightUpdatePlan(
+                version=version,
+                tensors=self.layout.tensors,
+                buckets=self.layout.buckets,
+                inflight=_INFLIGHT[self.wcfg.inflight],
+                update_id=update_id,
+                **sources[s],
+            )
+            for s in servers
+        }
+
+    def _prepare(self, servers: list[str], version: int, update_id: str, dropped: dict[str, str]) -> list[str]:
+        """Ready servers. A collective group needs exactly its planned members, so when some fail the
+        survivors are planned again once under a new epoch (still one update)."""
+        candidates = servers
+        for _ in range(2):
+            plans = self._plans(candidates, version, update_id)
+            responses, errors = self.clients.call_all(
+                "PrepareWeightUpdate", plans, timeout_s=self.wcfg.prepare_timeout_s, stage="prepare"
+            )
+            dropped.update(errors)
+            ready = [s for s in candidates if s in responses and responses[s].ready]
+            for s in candidates:
+                if s in responses and not responses[s].ready:
+                    dropped[s] = f"declined (at version {responses[s].current_version})"
+            if len(ready) == len(candidates) or self.transport.name == "filesystem" or not ready:
+                return ready
+            self.transport.begin(update_id, ready)  # members differ: releases the waiting ones with "0"
+            candidates = ready
+        abort_all(self.clients, candidates, update_id=update_id, reason="membership kept changing", timeout_s=5.0)
+        dropped.update(dict.fromkeys(candidates, "membership kept changing during prepare"))
+        return []
+
+    @torch.no_grad()
+    def _gather(self, *, sending: bool, snapshot: SnapshotWriter | None) -> None:
+        open_buckets: dict[int, torch.Tensor] = {}
+        device = self.transport.device if self.rank == 0 else None
+        checksums: dict[str, float] = {}
+        for i, (name, param) in enumerate(self._params):
+            full = param.full_tensor() if isinstance(param, DTensor) else param  # collective on all ranks
+            if self.rank != 0:
+                continue
+            meta = self.layout.tensors[i]
+            flat = open_buckets.get(meta.bucket)
+            if flat is None:
+                flat = open_buckets[meta.bucket] = empty_bucket(self.layout.buckets[meta.bucket], device)
+            pack_into(flat, meta, full.detach())
+            if self.wcfg.verify_checksums:
+                checksums[name] = checksum(full)
+            del full
+            if self._last_member[meta.bucket] == i:
+                flat = open_buckets.pop(meta.bucket)
+                if sending:  # leaves first: the snapshot write overlaps the broadcast
+                    self.transport.send(flat)
+                if snapshot is not None:
+                    snapshot.write_bucket(meta.bucket, flat)
+                if self.on_bucket is not None:
+                    self.on_bucket(meta.bucket, len(self.layout.buckets))
+        self.last_checksums = checksums
+
+    def _commit(
+        self, ready: list[str], version: int, update_id: str, transfer_ok: bool, snapshot: bool, dropped: dict[str, str]
+    ) -> int:
+        if not ready:
+            return 0
+        if not transfer_ok and not snapshot:
+            abort_all(self.clients, ready, update_id=update_id, reason="transfer failed", timeout_s=5.0)
+            dropped.update(dict.fromkeys(ready, "transfer failed and no snapshot to fall back on"))
+            return 0
+        # After a failed transfer the survivors still commit: they load this version's snapshot instead.
+        request = control_pb2.CommitWeightUpdateRequest(update_id=update_id, version=version)
+        responses, errors = self.clients.call_all(
+            "CommitWeightUpdate", dict.fromkeys(ready, request), timeout_s=self.wcfg.commit_timeout_s, stage="commit"
+        )
+        dropped.update(errors)
+        reached = 0
+        for server, response in responses.items():
+            if response.policy_version != version:
+                dropped[server] = f"committed but reports version {response.policy_version}"
+                continue
+            bad = [
+                n for n, v in response.checksums.items() if not math.isclose(self.last_checksums.get(n, v), v, rel_tol=1e-9)
+            ]
+            if bad:
+                dropped[server] = f"checksum mismatch on {len(bad)} tensors (first: {bad[0]})"
+                log.error("weight_sync_checksum_mismatch", server=server, tensors=bad[:5])
+                continue
+            reached += 1
+        return reached
+
+    def close(self) -> None:
+        if self.rank == 0:
+            self.transport.close()
+            self.clients.close()

@@ -1,0 +1,158 @@
+"""Where received weights land: a live ``torch.nn.Module`` in this process, or vLLM's workers.
+
+The receiver's handshake logic is the same for every engine; only "start receiving", "finish and load"
+and "load a snapshot" differ. For the transformers engine the weights go straight into the module's
+parameters (``copy_`` in place, so tied embeddings — one Parameter under two names — stay tied and
+nothing holding a reference to a parameter goes stale). For vLLM the receiving happens inside vLLM's
+worker processes (``weight_sync.vllm_worker.WeightSyncWorker``), which join the collective group
+themselves; this side only forwards the plan as protobuf bytes over ``collective_rpc``.
+
+Received buckets are loaded at commit, not as they arrive, so a transfer that fails half-way never
+leaves a model with a mix of two versions (the price: one model's worth of receive buffers).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from tether.config import TetherConfig
+from tether.v1 import control_pb2
+from weight_sync.buckets import Layout, checksum, unpack
+from weight_sync.collective import CollectiveReceive
+from weight_sync.snapshot import read_snapshot
+
+LoadResult = tuple[int, dict[str, float]]  # bytes loaded, checksum per tensor (empty unless asked)
+
+
+class Target(abc.ABC):
+    @abc.abstractmethod
+    async def start(self, plan: control_pb2.WeightUpdatePlan) -> None:
+        """Begin receiving (collective: join and receive in the background); must not block."""
+
+    @abc.abstractmethod
+    async def finish(self, plan: control_pb2.WeightUpdatePlan, *, timeout_s: float) -> LoadResult:
+        """Wait for the transfer (at most ``timeout_s``) and load it into the engine."""
+
+    @abc.abstractmethod
+    async def load_snapshot(self, path: Path) -> LoadResult: ...
+
+    async def cancel(self) -> None:  # noqa: B027 - a background receive ends by itself (aborted group)
+        pass
+
+
+@torch.no_grad()
+def load_into_module(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], *, sums: bool) -> LoadResult:
+    """Copy each ``(name, tensor)`` into the parameter or buffer of that name, in place."""
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(model.named_buffers(remove_duplicate=False))
+    nbytes, checksums = 0, {}
+    for name, tensor in named:
+        target = targets.get(name)
+        if target is None:
+            raise KeyError(
+                f"weight update names {name!r}, which this model does not have — learner and rollout "
+                "servers must load the same architecture (model.path)"
+            )
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: update has shape {tuple(tensor.shape)}, model has {tuple(target.shape)}")
+        target.copy_(tensor)
+        nbytes += tensor.numel() * tensor.element_size()
+        if sums:
+            checksums[name] = checksum(target)
+    return nbytes, checksums
+
+
+class ModuleTarget(Target):
+    """The transformers engine: ``engine.model`` in this process."""
+
+    def __init__(self, engine, cfg: TetherConfig) -> None:
+        self.engine = engine
+        wcfg = cfg.weight_sync
+        self.sums = wcfg.verify_checksums
+        self.transfer_timeout_s = wcfg.transfer_timeout_s
+        self.collective = CollectiveReceive(go_timeout_s=wcfg.prepare_timeout_s + wcfg.transfer_timeout_s)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="weight-sync")
+        self._receiving: dict[str, concurrent.futures.Future] = {}
+
+    def _model_device(self) -> torch.device:
+        first = next(self.engine.model.parameters(), None)
+        return first.device if first is not None else torch.device("cpu")
+
+    async def start(self, plan: control_pb2.WeightUpdatePlan) -> None:
+        self._receiving.clear()
+        if plan.HasField("collective"):
+            # NCCL receives straight into GPU memory; gloo can only use CPU buffers.
+            nccl = plan.collective.backend == "nccl"
+            self.collective.device = self._model_device() if nccl else torch.device("cpu")
+            self._receiving[plan.update_id] = self._pool.submit(
+                self.collective.receive, plan, timeout_s=self.transfer_timeout_s
+            )
+
+    async def finish(self, plan: control_pb2.WeightUpdatePlan, *, timeout_s: float) -> LoadResult:
+        if plan.HasField("filesystem"):
+            return await self.load_snapshot(Path(plan.filesystem.path))
+        future = self._receiving.pop(plan.update_id, None)
+        if future is None:
+            raise RuntimeError(f"update {plan.update_id} was never started")
+        flats = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        members = Layout.from_plan(plan).bucket_members()
+        named = [pair for flat, group in zip(flats, members, strict=True) for pair in unpack(flat, group)]
+        return await asyncio.to_thread(load_into_module, self.engine.model, named, sums=self.sums)
+
+    async def load_snapshot(self, path: Path) -> LoadResult:
+        return await asyncio.to_thread(load_into_module, self.engine.model, read_snapshot(path), sums=self.sums)
+
+    async def cancel(self) -> None:
+        self._receiving.clear()
+
+
+class VllmTarget(Target):
+    """vLLM: forward each stage to the worker extension in every worker (``collective_rpc``)."""
+
+    def __init__(self, engine, cfg: TetherConfig) -> None:
+        self.engine = engine
+        self.wcfg = cfg.weight_sync
+
+    async def _rpc(self, method: str, *args) -> list:
+        return await self.engine.llm.collective_rpc(method, args=args)
+
+    @staticmethod
+    def _merge(results: list) -> LoadResult:
+        # Every worker loads the full update (vLLM shards inside load_weights); report the first.
+        first = results[0] if results else {"bytes": 0, "checksums": {}}
+        return int(first["bytes"]), dict(first["checksums"])
+
+    async def start(self, plan: control_pb2.WeightUpdatePlan) -> None:
+        go_timeout = self.wcfg.prepare_timeout_s + self.wcfg.transfer_timeout_s
+        await self._rpc("tether_prepare", plan.SerializeToString(), self.wcfg.transfer_timeout_s, go_timeout)
+
+    async def finish(self, plan: control_pb2.WeightUpdatePlan, *, timeout_s: float) -> LoadResult:
+        result = self._merge(await self._rpc("tether_commit", plan.update_id, timeout_s, self.wcfg.verify_checksums))
+        await self._after_load()
+        return result
+
+    async def load_snapshot(self, path: Path) -> LoadResult:
+        result = self._merge(await self._rpc("tether_load_snapshot", str(path), self.wcfg.verify_checksums))
+        await self._after_load()
+        return result
+
+    async def _after_load(self) -> None:
+        # Cached prefixes hold keys/values computed by the old weights.
+        await self.engine.llm.reset_prefix_cache()
+
+    async def cancel(self) -> None:
+        await self._rpc("tether_abort")
+
+
+def make_target(engine, cfg: TetherConfig) -> Target:
+    if getattr(engine, "name", "") == "vllm" or hasattr(engine, "llm"):
+        return VllmTarget(engine, cfg)
+    if hasattr(engine, "model"):
+        return ModuleTarget(engine, cfg)
+    raise TypeError(f"weight sync cannot load into engine {getattr(engine, 'name', type(engine).__name__)!r}")

@@ -1,0 +1,94 @@
+"""vLLM worker extension: the receiving end of a weight update inside each vLLM worker process.
+
+vLLM runs the model in worker processes the rollout server cannot reach directly, so the worker itself
+joins the weight-sync group and loads what it receives: the engine is created with
+``worker_extension_cls="weight_sync.vllm_worker.WeightSyncWorker"``, vLLM mixes this class into its
+worker, and the rollout server calls the ``tether_*`` methods with ``AsyncLLM.collective_rpc``. Only
+plain values cross that boundary: the plan travels as serialized protobuf bytes, results as dicts of
+numbers.
+
+``tether_prepare`` starts the receive in a background thread and returns at once (the learner broadcasts
+only after every receiver answered Prepare); ``tether_commit`` waits for it with a timeout and calls
+``model.load_weights``, which knows the model's own layout (fused qkv / gate-up projections, tensor
+parallel shards, tied embeddings) — this is why vLLM receives full, unsharded HF-named tensors.
+
+Limitation: with ``tensor_parallel_size > 1`` each worker would need its own rank in the group; the plan
+carries one rank per server, so collective transports support TP=1 and larger TP uses ``filesystem``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from tether.v1 import control_pb2
+from weight_sync.buckets import Layout, checksum, unpack
+from weight_sync.collective import CollectiveReceive
+from weight_sync.snapshot import read_snapshot
+
+
+class WeightSyncWorker:
+    """Mixed into vLLM's ``Worker``: ``self.model_runner`` and ``self.device`` come from vLLM."""
+
+    def _tether(self) -> dict:
+        state = getattr(self, "_tether_state", None)
+        if state is None:
+            state = {
+                "receive": CollectiveReceive(),
+                "pool": concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tether-ws"),
+                "pending": {},
+            }
+            self._tether_state = state
+        return state
+
+    def tether_prepare(self, plan_bytes: bytes, transfer_timeout_s: float, go_timeout_s: float) -> bool:
+        plan = control_pb2.WeightUpdatePlan.FromString(plan_bytes)
+        state = self._tether()
+        state["pending"].clear()
+        future = None
+        if plan.HasField("collective"):
+            receive: CollectiveReceive = state["receive"]
+            receive.go_timeout_s = go_timeout_s
+            nccl = plan.collective.backend == "nccl"
+            receive.device = torch.device(getattr(self, "device", "cpu")) if nccl else torch.device("cpu")
+            future = state["pool"].submit(receive.receive, plan, timeout_s=transfer_timeout_s)
+        state["pending"][plan.update_id] = (plan, future)
+        return True
+
+    def tether_commit(self, update_id: str, timeout_s: float, sums: bool) -> dict:
+        pending = self._tether()["pending"].pop(update_id, None)
+        if pending is None:
+            raise RuntimeError(f"update {update_id!r} was not prepared in this worker")
+        plan, future = pending
+        if future is None:
+            return self._tether_load(read_snapshot(plan.filesystem.path), sums)
+        flats = future.result(timeout=timeout_s)
+        members = Layout.from_plan(plan).bucket_members()
+        named = [pair for flat, group in zip(flats, members, strict=True) for pair in unpack(flat, group)]
+        return self._tether_load(named, sums)
+
+    def tether_load_snapshot(self, path: str, sums: bool) -> dict:
+        return self._tether_load(read_snapshot(path), sums)
+
+    def tether_abort(self) -> bool:
+        self._tether()["pending"].clear()
+        return True
+
+    def tether_checksums(self) -> dict[str, float]:
+        """Float64 sums of the live model's parameters under vLLM's own names (tests compare them)."""
+        return {name: checksum(p) for name, p in self.model_runner.model.named_parameters()}
+
+    def _tether_load(self, named: Iterable[tuple[str, torch.Tensor]], sums: bool) -> dict:
+        totals = {"bytes": 0, "checksums": {}}
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in named:
+                totals["bytes"] += tensor.numel() * tensor.element_size()
+                if sums:
+                    totals["checksums"][name] = checksum(tensor)
+                yield name, tensor
+
+        self.model_runner.model.load_weights(weights=counted())
+        return totals
