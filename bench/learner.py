@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     hidden, layers, heads = (64, 2, 2) if quick else ((1024, 8, 16) if cuda else (256, 4, 4))
     max_len = 256 if quick else 1024
     n_groups, group_size = (4, 4) if quick else ((32, 8) if cuda else (8, 8))
-    budget = 2048 if quick else (16384 if cuda else 4096)
+    budget = 2048 if quick else (16384 if cuda else int(os.environ.get("BENCH_BUDGET", "2048")))
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(tmp, hidden=hidden, layers=layers, heads=heads, max_position=2048)
         batches = [

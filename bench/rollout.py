@@ -40,8 +40,8 @@ async def drive(call, n_requests: int, concurrency: int) -> tuple[int, float]:
     async def worker() -> None:
         nonlocal total
         while queue:
-            i = queue.pop()
-            total += await call(i)
+            tokens = await call(queue.pop())  # await first: `total += await ...` would read total before
+            total += tokens
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -64,7 +64,7 @@ async def main() -> int:
         model = str(make_tiny_model(tmp / "tiny", hidden=128, layers=2, heads=4, seed=0))
     max_tokens = args.max_tokens or (16 if args.quick else 64)
     engine_cfg = (
-        "{type: transformers, max_num_seqs: 64, batch_wait_ms: 2}"
+        "{type: transformers, max_num_seqs: 64, batch_wait_ms: 10}"
         if args.engine == "transformers"
         else "{type: vllm, enforce_eager: true, max_num_seqs: 64}"
     )

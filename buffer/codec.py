@@ -1,12 +1,15 @@
-"""How one trajectory group is laid out in a stream entry, and the pure arithmetic of admission.
+"""How one trajectory group is laid out in Redis, and the pure arithmetic of admission.
 
-An entry carries a few small header fields next to the payload so the buffer can act on an entry
-without parsing it: ``v`` (the oldest policy version, so a stale group is dropped undecoded), ``n``
-(payload bytes, so the byte bound is kept without reading the payload back) and ``c`` (the codec).
-The payload is the protobuf ``TrajectoryGroup`` (built by :mod:`buffer.wire`, which avoids copies), zlib-
-compressed only above a size threshold: per-token arrays of random log-probs barely compress, and
-compression costs far more CPU than Redis spends storing the bytes, so it pays only on slow links.
-Nothing here is ever pickled; a payload that is not a valid group raises :class:`InvalidTrajectory`.
+A trajectories-stream entry is a small header: ``g`` (group id), ``v`` (the oldest policy version, so a
+stale group is dropped without fetching or parsing its payload), ``n`` (payload bytes, so the byte bound
+is kept without reading the payload back), ``c`` (the codec) and ``k`` (the nonce of the payload key,
+:meth:`buffer.keys.RedisKeys.payload`). The payload lives in that key, not in the entry, so the insert
+script never carries it (see :mod:`buffer.scripts`); an entry written by hand may still carry it inline
+as ``d``, and is read the same way. The payload is the protobuf ``TrajectoryGroup`` (built by
+:mod:`buffer.wire`, which avoids copies), zlib-compressed only when asked and above a size threshold:
+per-token arrays of random log-probs barely compress, and compression costs far more CPU than Redis
+spends storing the bytes, so it pays only on slow links. Nothing here is ever pickled; a payload that is
+not a valid group raises :class:`InvalidTrajectory`.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from buffer.wire import decode_group_fast, encode_group_fast
+from buffer.wire import decode_group_checked, encode_group_checked
 from tether.trajectory import GroupData, InvalidTrajectory
 
 CODEC_PROTOBUF = b"pb"
@@ -25,20 +28,38 @@ CODEC_PROTOBUF_ZLIB = b"pbz"
 # than let a hostile or corrupt payload inflate without bound (a "zip bomb").
 MAX_DECODED_BYTES = 2**31 - 1
 
-F_GROUP, F_VERSION, F_CODEC, F_BYTES, F_DATA = b"g", b"v", b"c", b"n", b"d"
+F_GROUP, F_VERSION, F_CODEC, F_BYTES, F_NONCE, F_DATA = b"g", b"v", b"c", b"n", b"k", b"d"
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One group ready for :meth:`buffer.TrajectoryWriter.put_encoded`."""
+
+    codec: bytes
+    payload: bytes
+    oldest_version: int
+    tokens: int
+
+
+def encode_group_payload(
+    group: GroupData, *, compression: str = "none", compress_min_bytes: int = 0, level: int = 1
+) -> Encoded:
+    """The payload of one group plus its header values, from one validating pass over the group."""
+    data, oldest, tokens = encode_group_checked(group)
+    if compression == "zlib" and len(data) >= compress_min_bytes:
+        packed = zlib.compress(data, level)
+        # Keep the plain bytes when compression does not shrink them (random log-probs, tiny groups).
+        if len(packed) < len(data):
+            return Encoded(CODEC_PROTOBUF_ZLIB, packed, oldest, tokens)
+    return Encoded(CODEC_PROTOBUF, data, oldest, tokens)
 
 
 def encode_payload(
     group: GroupData, *, compression: str = "none", compress_min_bytes: int = 0, level: int = 1
 ) -> tuple[bytes, bytes]:
     """``(codec, payload)`` for one group; raises :class:`InvalidTrajectory` if the group is malformed."""
-    data = encode_group_fast(group)
-    if compression == "zlib" and len(data) >= compress_min_bytes:
-        packed = zlib.compress(data, level)
-        # Keep the plain bytes when compression does not shrink them (random log-probs, tiny groups).
-        if len(packed) < len(data):
-            return CODEC_PROTOBUF_ZLIB, packed
-    return CODEC_PROTOBUF, data
+    enc = encode_group_payload(group, compression=compression, compress_min_bytes=compress_min_bytes, level=level)
+    return enc.codec, enc.payload
 
 
 def _inflate(payload: bytes) -> bytes:
@@ -54,13 +75,18 @@ def _inflate(payload: bytes) -> bytes:
     return out
 
 
-def decode_payload(codec: bytes, payload: bytes) -> GroupData:
-    """The group in ``payload``, validated; :class:`InvalidTrajectory` says what is wrong otherwise."""
+def decode_group_payload(codec: bytes, payload: bytes) -> tuple[GroupData, int]:
+    """``(group, oldest policy version)`` from one validating pass; :class:`InvalidTrajectory` otherwise."""
     if codec == CODEC_PROTOBUF_ZLIB:
         payload = _inflate(payload)
     elif codec != CODEC_PROTOBUF:
         raise InvalidTrajectory(f"unknown payload codec {codec[:32]!r} (expected {CODEC_PROTOBUF!r} or zlib)")
-    return decode_group_fast(payload)
+    return decode_group_checked(payload)
+
+
+def decode_payload(codec: bytes, payload: bytes) -> GroupData:
+    """The group in ``payload``, validated; :class:`InvalidTrajectory` says what is wrong otherwise."""
+    return decode_group_payload(codec, payload)[0]
 
 
 @dataclass(frozen=True)
@@ -71,6 +97,7 @@ class EntryHeader:
     oldest_version: int | None
     codec: bytes
     nbytes: int
+    nonce: str  # of the payload key; "" when the payload is inline (or missing)
 
 
 def _int_or_none(raw: bytes | None) -> int | None:
@@ -89,6 +116,7 @@ def read_header(fields: Mapping[bytes, bytes]) -> EntryHeader:
         oldest_version=_int_or_none(fields.get(F_VERSION)),
         codec=fields.get(F_CODEC, b""),
         nbytes=_int_or_none(fields.get(F_BYTES)) or 0,
+        nonce=fields.get(F_NONCE, b"").decode("ascii", "replace"),
     )
 
 

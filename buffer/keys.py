@@ -62,6 +62,11 @@ class RedisKeys:
         """One rollout server's heartbeat: JSON ``ServerInfo`` with a TTL, gone when the server is."""
         return self.prefix + "server:" + server_id
 
+    def payload(self, nonce: str) -> str:
+        """The encoded group of one trajectories entry (whose ``k`` field is ``nonce``): kept out of the
+        stream so the insert script never carries it (see :mod:`buffer.scripts`); deleted when settled."""
+        return self.prefix + "payload:" + nonce
+
     def seen(self, group_id: str) -> str:
         """Idempotency marker of a group id (SET NX with a TTL), so a retried insert is a no-op."""
         return self.prefix + "seen:" + group_id

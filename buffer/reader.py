@@ -6,7 +6,9 @@ takes back its own unacknowledged entries on restart, and entries left pending b
 vanished are claimed (XAUTOCLAIM) once idle for ``claim_idle_ms``. Every entry ends in exactly one
 counter — ``acknowledged``, ``dropped_stale`` or ``dead_letter`` — so produced = those + what is still
 in the stream, and nothing is lost silently. Stale groups are dropped from their header alone, before
-any decoding; the read path is one XREADGROUP, with bookkeeping piggy-backed on the next ack.
+any fetching or decoding. A read is one XREADGROUP for the small entry headers and one MGET for the
+payloads worth decoding (:mod:`buffer.scripts` says why payloads live in their own keys); an ack is
+one script call that also deletes the payloads, with the ``consumed`` bookkeeping piggy-backed on it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import redis
 
-from buffer.codec import F_DATA, decode_payload, read_header, staleness_of
+from buffer.codec import F_DATA, EntryHeader, decode_group_payload, read_header, staleness_of
 from buffer.keys import LEARNER_GROUP, RedisKeys
 from buffer.scripts import Scripts, ensure_group
 from buffer.settle import Settlement
@@ -51,7 +53,7 @@ class TrajectoryReader:
         self.consumer = consumer
         self._scripts = Scripts(client)
         self._backlog: deque[Entry] = deque()
-        self._inflight: dict[str, tuple[int, int]] = {}  # entry id -> (payload bytes, staleness)
+        self._inflight: dict[str, tuple[int, int, str]] = {}  # entry id -> (payload bytes, staleness, nonce)
         self._consumed = 0  # delivered since the last flush; sent with the next settle (no extra round trip)
         self._next_claim = 0.0
         self._claim_every_s = min(1.0, cfg.claim_idle_ms / 2000)
@@ -142,6 +144,7 @@ class TrajectoryReader:
     def _accept(self, batch: list[Entry], *, current_version: int, max_staleness: int) -> list[BufferedGroup]:
         good: list[BufferedGroup] = []
         settle = Settlement()
+        wanted: list[tuple[str, EntryHeader, bytes | None]] = []  # (id, header, inline payload)
         for eid, fields, delivered in batch:
             if not fields:  # deleted while pending (only by hand): nothing to deliver, just release it
                 settle.add("", eid, nbytes=0)
@@ -149,25 +152,33 @@ class TrajectoryReader:
             head = read_header(fields)
             if delivered > self.cfg.max_deliveries:
                 reason = f"delivered {delivered} times (buffer.max_deliveries {self.cfg.max_deliveries})"
-                settle.add("dead_letter", eid, nbytes=head.nbytes, reason=reason)
+                settle.add("dead_letter", eid, nbytes=head.nbytes, reason=reason, nonce=head.nonce)
                 continue
             if head.oldest_version is not None and staleness_of(head.oldest_version, current_version) > max_staleness:
-                settle.add("dropped_stale", eid, nbytes=head.nbytes)
+                settle.add("dropped_stale", eid, nbytes=head.nbytes, nonce=head.nonce)  # never fetched
                 continue
+            wanted.append((eid, head, None if head.nonce else fields.get(F_DATA, b"")))
+        # The payloads of everything worth decoding, in one round trip.
+        nonces = [head.nonce for _, head, inline in wanted if inline is None]
+        fetched = iter(self.client.mget([self.keys.payload(n) for n in nonces]) if nonces else ())
+        for eid, head, inline in wanted:
+            payload = next(fetched) if inline is None else inline
             try:
-                group = decode_payload(head.codec, fields.get(F_DATA, b""))
+                if payload is None:
+                    raise InvalidTrajectory(f"payload key {self.keys.payload(head.nonce)} is gone (evicted?)")
+                group, oldest = decode_group_payload(head.codec, payload)
             except InvalidTrajectory as e:
-                settle.add("dead_letter", eid, nbytes=head.nbytes, reason=f"undecodable: {e}"[:500])
+                settle.add("dead_letter", eid, nbytes=head.nbytes, reason=f"undecodable: {e}"[:500], nonce=head.nonce)
                 continue
-            lag = staleness_of(group.oldest_version, current_version)
+            lag = staleness_of(oldest, current_version)
             if lag > max_staleness:  # the header lied or was missing: the payload is what counts
-                settle.add("dropped_stale", eid, nbytes=head.nbytes)
+                settle.add("dropped_stale", eid, nbytes=head.nbytes, nonce=head.nonce)
                 continue
-            self._inflight[eid] = (head.nbytes, lag)
+            self._inflight[eid] = (head.nbytes, lag, head.nonce)
             good.append(BufferedGroup(entry_id=eid, group=group, staleness=lag))
         self._consumed += len(good)
         if settle:
-            reasons = [row[3] for row in settle.by_counter.get("dead_letter", [])]
+            reasons = settle.counters.get("dead_letter", [])
             done = self._send(settle)
             if done.get("dead_letter"):
                 log.warning(
@@ -180,8 +191,8 @@ class TrajectoryReader:
         """Acknowledge (and delete) entries after the optimizer step that used them; repeats are no-ops."""
         settle = Settlement()
         for eid in entry_ids:
-            nbytes, lag = self._inflight.pop(eid, (None, None))
-            settle.add("acknowledged", eid, nbytes=nbytes, lag=lag)
+            nbytes, lag, nonce = self._inflight.pop(eid, (None, None, ""))
+            settle.add("acknowledged", eid, nbytes=nbytes, lag=lag, nonce=nonce)
         self._send(settle)
 
     def _send(self, settle: Settlement) -> dict[str, int]:

@@ -1,26 +1,36 @@
-"""The Lua scripts that make each buffer operation one atomic round trip.
+"""The Lua scripts that make each buffer operation atomic, with payloads kept out of Lua.
 
-Why scripts and not MULTI: an insert must *decide* (is this group id new? is there room?) and then
+Why scripts and not plain MULTI: an insert must *decide* (is this group id new? is there room?) and then
 write, and only a script can branch server-side without a second round trip or a WATCH retry loop.
-Each script touches only the keys it is given, so it stays valid on Redis 6.2 and 7.x alike.
-Entries are deleted as they are settled (acknowledged, dropped, dead-lettered), so ``XLEN`` is the
-number of unacknowledged groups and a trim can never remove one that was not acknowledged.
+Why payloads stay out of them: every script argument is copied into a Lua string and again into the
+command it calls, which made an EVALSHA carrying a 115 KB group cost about twice a raw XADD. So a put
+is ``MULTI; SET payload:<nonce> <bytes> PX ttl; EVALSHA PUT; EXEC`` in one round trip: the payload lands
+in its own key straight from the query buffer, and PUT (with only small arguments) either PERSISTs it
+and appends a small header entry, or deletes it (a duplicate). When the stream is full the payload is
+left, under its TTL, for the producer's next attempt, so a waiting producer does not resend it.
+Each script touches the keys it is given plus payload keys it derives from them, which is valid on
+Redis 6.2 and 7.x alike (this is not a cluster client). Entries are deleted as they are settled
+(acknowledged, dropped, dead-lettered), so ``XLEN`` is the number of unacknowledged groups and a trim
+can never remove one that was not acknowledged.
 """
 
 from __future__ import annotations
 
 import redis
 
-# KEYS: stream, seen-marker, counters.
-# ARGV: max_groups, max_bytes, marker_ttl_ms, tokens, group_id, oldest_version, codec, payload.
-# Returns {1, id} inserted | {0, existing id} duplicate | {-1, depth, bytes} full.
+# KEYS: stream, seen-marker, counters, payload key.
+# ARGV: max_groups, max_bytes, marker_ttl_ms, tokens, group_id, oldest_version, codec, payload nonce.
+# Returns {1, id} inserted | {0, existing id} duplicate | {-1, depth, bytes} full (payload kept for
+# the retry) | {-2} the payload key is gone (its TTL ran out while the producer waited): send it again.
 PUT = """
 local existing = redis.call('GET', KEYS[2])
 if existing then
+  redis.call('DEL', KEYS[4])
   redis.call('HINCRBY', KEYS[3], 'duplicates', 1)
   return {0, existing}
 end
-local n = string.len(ARGV[8])
+if redis.call('EXISTS', KEYS[4]) == 0 then return {-2} end
+local n = redis.call('STRLEN', KEYS[4])
 local depth = redis.call('XLEN', KEYS[1])
 local bytes = tonumber(redis.call('HGET', KEYS[3], 'bytes') or '0')
 -- A single group larger than the byte bound is still admitted into an empty stream; otherwise it
@@ -28,7 +38,8 @@ local bytes = tonumber(redis.call('HGET', KEYS[3], 'bytes') or '0')
 if depth >= tonumber(ARGV[1]) or (depth > 0 and bytes + n > tonumber(ARGV[2])) then
   return {-1, depth, bytes}
 end
-local id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[5], 'v', ARGV[6], 'c', ARGV[7], 'n', n, 'd', ARGV[8])
+redis.call('PERSIST', KEYS[4])
+local id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[5], 'v', ARGV[6], 'c', ARGV[7], 'n', n, 'k', ARGV[8])
 redis.call('SET', KEYS[2], id, 'PX', ARGV[3])
 redis.call('HINCRBY', KEYS[3], 'produced', 1)
 redis.call('HINCRBY', KEYS[3], 'bytes', n)
@@ -37,54 +48,70 @@ redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[4])
 return {1, id}
 """
 
-# Settle entries a consumer group has read: acknowledge, delete, count; optionally copy to the
-# dead-letter stream with a reason, and add to the staleness histogram.
+# Settle entries a consumer group has read: acknowledge, delete (with their payload key), count;
+# optionally copy to the dead-letter stream (payload included) with a reason, and add to the staleness
+# histogram. One call settles a whole batch, whatever counters its entries go to.
 # KEYS: stream, counters, staleness-hash, dead-letter stream.
-# ARGV: group, counter ('' = none), dead_letter_maxlen, consumer, consumed_delta ('consumed' counter),
-#       then per entry: id, nbytes ('' = look it up), lag ('' = not histogrammed), reason ('' = not dead-lettered).
+# ARGV: group, dead_letter_maxlen, consumer, consumed_delta ('consumed' counter), payload key prefix,
+#       then per entry: id, counter ('' = none), nbytes ('' = look it and the nonce up in the entry),
+#       lag ('' = not histogrammed), reason ('' = not dead-lettered), payload nonce ('' = none).
 # Only entries still pending are settled (XACK returned 1), so a repeated ack counts once.
+# Returns {counter, settled, ...}.
 SETTLE = """
-local settled, freed = 0, 0
-for i = 6, #ARGV, 4 do
-  local id, reason = ARGV[i], ARGV[i + 3]
-  if ARGV[i + 1] == '' then
-    -- The caller did not read this entry itself (e.g. another reader object): look its size up.
-    ARGV[i + 1] = '0'
+local settled, freed = {}, 0
+for i = 6, #ARGV, 6 do
+  local id, counter, nbytes, lag = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local reason, nonce = ARGV[i + 4], ARGV[i + 5]
+  local entry = nil
+  if nbytes == '' or reason ~= '' then
+    -- The caller did not read this entry itself (e.g. another reader object), or it is dead-lettered
+    -- with all its fields: look it up.
     local found = redis.call('XRANGE', KEYS[1], id, id)
-    if found[1] then
-      local f = found[1][2]
-      for j = 1, #f, 2 do if f[j] == 'n' then ARGV[i + 1] = f[j + 1] end end
+    if found[1] then entry = found[1][2] end
+  end
+  if nbytes == '' then
+    nbytes = '0'
+    if entry then
+      for j = 1, #entry, 2 do
+        if entry[j] == 'n' then nbytes = entry[j + 1] elseif entry[j] == 'k' then nonce = entry[j + 1] end
+      end
     end
   end
-  if reason ~= '' then
-    local fields = {'entry', id, 'stream', KEYS[1], 'reason', reason, 'consumer', ARGV[4]}
-    local found = redis.call('XRANGE', KEYS[1], id, id)
-    if found[1] then
-      for _, v in ipairs(found[1][2]) do fields[#fields + 1] = v end
+  if redis.call('XACK', KEYS[1], ARGV[1], id) == 1 then
+    local pkey = nil
+    if nonce ~= '' then pkey = ARGV[5] .. nonce end
+    if reason ~= '' then
+      local fields = {'entry', id, 'stream', KEYS[1], 'reason', reason, 'consumer', ARGV[3]}
+      if entry then
+        for _, v in ipairs(entry) do fields[#fields + 1] = v end
+      end
+      if pkey then
+        local payload = redis.call('GET', pkey)
+        if payload then fields[#fields + 1] = 'd'; fields[#fields + 1] = payload end
+      end
+      redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[2], '*', unpack(fields))
+    elseif lag ~= '' then
+      redis.call('HINCRBY', KEYS[3], lag, 1)
     end
-    if redis.call('XACK', KEYS[1], ARGV[1], id) == 1 then
-      redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[3], '*', unpack(fields))
-      redis.call('XDEL', KEYS[1], id)
-      settled = settled + 1
-      freed = freed + (tonumber(ARGV[i + 1]) or 0)
-    end
-  elseif redis.call('XACK', KEYS[1], ARGV[1], id) == 1 then
     redis.call('XDEL', KEYS[1], id)
-    settled = settled + 1
-    freed = freed + (tonumber(ARGV[i + 1]) or 0)
-    if ARGV[i + 2] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[i + 2], 1) end
+    if pkey then redis.call('DEL', pkey) end
+    settled[counter] = (settled[counter] or 0) + 1
+    freed = freed + (tonumber(nbytes) or 0)
   end
 end
-if settled > 0 then
-  if ARGV[2] ~= '' then redis.call('HINCRBY', KEYS[2], ARGV[2], settled) end
-  -- A hand-written entry can claim bytes no put ever added: never let the total go negative (that
-  -- would let producers overshoot the bound).
-  if freed > 0 and redis.call('HINCRBY', KEYS[2], 'bytes', -freed) < 0 then
-    redis.call('HSET', KEYS[2], 'bytes', 0)
-  end
+local out = {}
+for counter, count in pairs(settled) do
+  if counter ~= '' then redis.call('HINCRBY', KEYS[2], counter, count) end
+  out[#out + 1] = counter
+  out[#out + 1] = count
 end
-if ARGV[5] ~= '0' then redis.call('HINCRBY', KEYS[2], 'consumed', ARGV[5]) end
-return settled
+-- A hand-written entry can claim bytes no put ever added: never let the total go negative (that
+-- would let producers overshoot the bound).
+if freed > 0 and redis.call('HINCRBY', KEYS[2], 'bytes', -freed) < 0 then
+  redis.call('HSET', KEYS[2], 'bytes', 0)
+end
+if ARGV[4] ~= '0' then redis.call('HINCRBY', KEYS[2], 'consumed', ARGV[4]) end
+return out
 """
 
 

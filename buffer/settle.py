@@ -1,7 +1,9 @@
 """Building the argument list of the SETTLE script, shared by the prompt queue and the trajectory reader.
 
 Both streams end an entry's life the same way — acknowledge, delete, count, and maybe dead-letter —
-so both batch their decisions into :class:`Settlement` and send them in a single script call.
+so both batch their decisions into :class:`Settlement` and send them as one EVALSHA: one round trip
+per batch whatever mix of counters it holds. (Not a redis-py pipeline: a pipeline that runs a
+registered script first asks ``SCRIPT EXISTS``, a second round trip on every ack.)
 """
 
 from __future__ import annotations
@@ -16,18 +18,28 @@ from buffer.scripts import Scripts
 
 @dataclass
 class Settlement:
-    """Entries of one stream to settle in one round trip, grouped by the counter they add to."""
+    """Entries of one stream to settle in one round trip, each with the counter it adds to."""
 
-    by_counter: dict[str, list[tuple[str, str, str, str]]] = field(default_factory=dict)
+    rows: list[str] = field(default_factory=list)
+    counters: dict[str, list[str]] = field(default_factory=dict)  # counter -> reasons (for logging)
 
     def add(
-        self, counter: str, entry_id: str, *, nbytes: int | None = None, lag: int | None = None, reason: str = ""
+        self,
+        counter: str,
+        entry_id: str,
+        *,
+        nbytes: int | None = None,
+        lag: int | None = None,
+        reason: str = "",
+        nonce: str = "",
     ) -> None:
-        row = (entry_id, "" if nbytes is None else str(nbytes), "" if lag is None else str(lag), reason)
-        self.by_counter.setdefault(counter, []).append(row)
+        """``nbytes=None`` makes the script look the size (and the payload nonce) up in the entry."""
+        self.rows += (entry_id, counter, "" if nbytes is None else str(nbytes), "" if lag is None else str(lag))
+        self.rows += (reason, nonce)
+        self.counters.setdefault(counter, []).append(reason)
 
     def __bool__(self) -> bool:
-        return any(self.by_counter.values())
+        return bool(self.rows)
 
     def send(
         self,
@@ -41,17 +53,13 @@ class Settlement:
         dead_letter_maxlen: int,
         consumed: int = 0,
     ) -> dict[str, int]:
-        """Run one SETTLE per counter in a single pipeline; how many entries each actually settled."""
-        counters = list(self.by_counter)
-        if not counters and not consumed:
+        """Settle everything in one script call; how many entries each counter actually settled."""
+        if not self.rows and not consumed:
             return {}
         script_keys = [stream, keys.counters, keys.staleness, keys.dead_letter]
-        pipe = client.pipeline(transaction=False)
-        for i, counter in enumerate(counters or [""]):
-            args: list[str | int] = [group, counter, dead_letter_maxlen, consumer, consumed if i == 0 else 0]
-            for row in self.by_counter.get(counter, []):
-                args.extend(row)
-            scripts.settle(keys=script_keys, args=args, client=pipe)
-        replies = pipe.execute()
-        self.by_counter.clear()
-        return {c: int(r) for c, r in zip(counters, replies, strict=False)}
+        args = [group, dead_letter_maxlen, consumer, consumed, keys.payload(""), *self.rows]
+        reply = scripts.settle(keys=script_keys, args=args)
+        self.rows = []
+        self.counters = {}
+        it = iter(reply)
+        return {(c.decode() if isinstance(c, bytes) else c): int(n) for c, n in zip(it, it, strict=True)}

@@ -1,14 +1,18 @@
 """A lean codec for ``tether.v1.TrajectoryGroup``: the same wire format, without the copies.
 
-Why not just the generated classes: with Python's upb runtime, building a group message copies every
-per-token array three times (``tobytes``, the field assignment, ``SerializeToString``) — ~5 ms for a
-G=8 × 16K-token group, slower than Redis storing it — and parsing copies each array twice more. Here
-encoding is one ``b"".join`` over the arrays' own buffers, and decoding walks the wire format and hands
-out numpy views into the payload (no copy). Only the hot fields are handled by hand; the rare ones
-(maps, timestamps) are encoded and decoded by the generated classes, and anything unexpected on the
-wire (an unknown field, a wire type that does not match) falls back to :func:`tether.trajectory.decode_group`,
-so this module is never more permissive than the generated parser. Validation is
-:func:`tether.trajectory.validate`, the same as everywhere. Tests compare both paths message for message.
+Why hand-written, and why it stays: the buffer's budget is a raw ``XADD``/``XREADGROUP``/``XACK`` of the
+same bytes, and at 1K-token completions Redis moves a G=8 group in ~100 µs. The generated classes
+(Python's upb runtime) copy every per-token array three times to build a message (``tobytes``, the
+field assignment, ``SerializeToString``; ~5 ms for a G=8 × 16K-token group) and twice more to parse
+one, and :func:`tether.trajectory.validate` costs ~5 numpy calls per trajectory. Here encoding is one
+``b"".join`` over the arrays' own buffers, decoding is one tight loop over the wire format that hands
+out numpy views into the payload (no copy), and both validate the whole group at once
+(:func:`tether.trajectory.validate_group`: the same checks and error messages, a handful of numpy calls).
+
+Only the hot fields are handled by hand; the rare ones (maps, timestamps) are encoded and decoded by
+the generated classes, and anything unexpected on the wire (an unknown field, a wire type that does not
+match) falls back to :func:`tether.trajectory.decode_group`, so this module is never more permissive
+than the generated parser. ``tests/unit/test_buffer_codec.py`` compares both paths message for message.
 """
 
 from __future__ import annotations
@@ -26,20 +30,24 @@ from tether.trajectory import (
     InvalidTrajectory,
     TrajectoryData,
     decode_group,
-    validate,
+    validate_group,
 )
 from tether.v1 import trajectory_pb2 as pb
 
-_ARRAYS = (  # (field number, attribute, dtype) of the per-token byte fields
+_ARRAYS = (  # (field number, attribute, dtype) of the per-token byte fields, in wire order
     (3, "prompt_token_ids", TOKEN_DTYPE),
     (4, "completion_token_ids", TOKEN_DTYPE),
     (5, "behavior_logprobs", LOGPROB_DTYPE),
     (6, "policy_versions", VERSION_DTYPE),
     (7, "loss_mask", MASK_DTYPE),
 )
-_BY_FIELD = {f: (name, dtype) for f, name, dtype in _ARRAYS}
+_ARRAY_TAGS = tuple(bytes((num << 3 | 2,)) for num, _, _ in _ARRAYS)
+_BY_FIELD = {f: (name, dtype, dtype.itemsize) for f, name, dtype in _ARRAYS}
 _STRINGS = {1: "id", 2: "group_id", 11: "server_id", 15: "logprob_source"}
+_RARE = frozenset((9, 12, 13, 14))  # reward_components, metadata, started_at, finished_at
 _DOUBLE = struct.Struct("<d")
+_ONE_BYTE = [bytes((i,)) for i in range(128)]
+# proto3 defaults, not TrajectoryData's (which would invent an id and say "raw" for a missing source).
 _EMPTY = {name: np.empty(0, dtype) for _, name, dtype in _ARRAYS} | dict.fromkeys(_STRINGS.values(), "")
 
 
@@ -49,7 +57,7 @@ class _Fallback(Exception):
 
 def _varint(n: int) -> bytes:
     if n < 0x80:
-        return bytes((n,))
+        return _ONE_BYTE[n]
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
@@ -58,68 +66,81 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def _field(parts: list, tag: int, value: bytes | memoryview) -> int:
-    head = bytes((tag,)) + _varint(len(value))
-    parts.append(head)
-    parts.append(value)
-    return len(head) + len(value)
+def _wire_array(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``arr`` itself when it already is the wire layout (the usual case), else a converted copy."""
+    if type(arr) is np.ndarray and arr.dtype == dtype and arr.flags.c_contiguous:
+        return arr
+    return np.ascontiguousarray(np.asarray(arr), dtype=dtype)
 
 
-def _as_buffer(arr: np.ndarray, dtype: np.dtype) -> memoryview:
-    a = arr if isinstance(arr, np.ndarray) and arr.dtype == dtype and arr.flags.c_contiguous else None
-    if a is None:
-        a = np.ascontiguousarray(np.asarray(arr), dtype=dtype)
-    return memoryview(a).cast("B")
-
-
-def _encode_trajectory(t: TrajectoryData, parts: list) -> None:
-    body: list = []
-    size = 0
-    for num, name in ((1, "id"), (2, "group_id")):
-        if value := getattr(t, name):
-            size += _field(body, num << 3 | 2, value.encode())
-    for num, name, dtype in _ARRAYS:
-        buf = _as_buffer(getattr(t, name), dtype)
-        if len(buf):
-            size += _field(body, num << 3 | 2, buf)
+def _encode_trajectory(t: TrajectoryData, arrays: list[np.ndarray], group_field: bytes, parts: list) -> None:
+    tid = t.id.encode()  # never empty: validate_group has run
+    head = b"\x0a" + _varint(len(tid)) + tid + group_field
+    body: list = [head]
+    size = len(head)
+    for tag, arr in zip(_ARRAY_TAGS, arrays, strict=True):
+        if n := arr.nbytes:
+            field = tag + _varint(n)
+            body.append(field)
+            body.append(arr)  # joined straight from the array's buffer: no copy until the final join
+            size += len(field) + n
+    tail = b""
     if t.reward:
-        body.append(b"\x41" + _DOUBLE.pack(float(t.reward)))
-        size += 9
+        tail += b"\x41" + _DOUBLE.pack(float(t.reward))
     if t.finish_reason:
-        chunk = b"\x50" + _varint(int(t.finish_reason))
-        body.append(chunk)
-        size += len(chunk)
-    for num, name in ((11, "server_id"), (15, "logprob_source")):
-        if value := getattr(t, name):
-            size += _field(body, num << 3 | 2, value.encode())
+        tail += b"\x50" + _varint(int(t.finish_reason))
+    for tag, value in ((b"\x5a", t.server_id), (b"\x7a", t.logprob_source)):
+        if value:
+            raw = value.encode()
+            tail += tag + _varint(len(raw)) + raw
     if t.reward_components or t.metadata or t.started_at or t.finished_at:
         rare = pb.Trajectory(reward_components=t.reward_components, metadata=t.metadata)
         if t.started_at:
             rare.started_at.FromNanoseconds(int(t.started_at * 1e9))
         if t.finished_at:
             rare.finished_at.FromNanoseconds(int(t.finished_at * 1e9))
-        chunk = rare.SerializeToString()  # fields may come in any order on the wire
-        body.append(chunk)
-        size += len(chunk)
+        tail += rare.SerializeToString()  # fields may come in any order on the wire
+    body.append(tail)
+    size += len(tail)
     parts.append(b"\x1a" + _varint(size))
     parts.extend(body)
 
 
-def encode_group_fast(g: GroupData) -> bytes:
-    """Wire-compatible with :func:`tether.trajectory.encode_group` (same validation, same message)."""
+def encode_group_checked(g: GroupData) -> tuple[bytes, int, int]:
+    """``(payload, oldest policy version, completion tokens)``: :func:`encode_group_fast` plus what the
+    buffer's entry header needs, computed by the same vectorised pass that validates the group."""
     parts: list = []
+    group_field = b""
     if g.group_id:
-        _field(parts, 0x0A, g.group_id.encode())
+        gid = g.group_id.encode()
+        group_field = b"\x12" + _varint(len(gid)) + gid  # Trajectory.group_id: the same bytes for all G
+        parts.append(b"\x0a" + _varint(len(gid)) + gid)
     if g.prompt_id:
-        _field(parts, 0x12, g.prompt_id.encode())
+        pid = g.prompt_id.encode()
+        parts.append(b"\x12" + _varint(len(pid)) + pid)
+    arrays = []
     for t in g.trajectories:
         if not t.group_id:
             t.group_id = g.group_id
-        validate(t)
-        _encode_trajectory(t, parts)
+        wire = [_wire_array(getattr(t, name), dtype) for _, name, dtype in _ARRAYS]
+        arrays.append(wire)
+    oldest = validate_group(g.trajectories)
+    tokens = 0
+    for t, wire in zip(g.trajectories, arrays, strict=True):
+        if t.group_id == g.group_id:
+            _encode_trajectory(t, wire, group_field, parts)
+        else:  # a foreign trajectory: encoded as it is, and rejected by every decoder
+            own = t.group_id.encode()
+            _encode_trajectory(t, wire, b"\x12" + _varint(len(own)) + own, parts)
+        tokens += wire[1].shape[0]
     if g.metadata:
         parts.append(pb.TrajectoryGroup(metadata=g.metadata).SerializeToString())
-    return b"".join(parts)
+    return b"".join(parts), oldest, tokens
+
+
+def encode_group_fast(g: GroupData) -> bytes:
+    """Wire-compatible with :func:`tether.trajectory.encode_group` (same validation, same message)."""
+    return encode_group_checked(g)[0]
 
 
 def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
@@ -136,59 +157,49 @@ def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
     raise _Fallback
 
 
-def _fields(buf: bytes, pos: int, end: int):
-    """(field number, wire type, varint value, field start, value start, value stop) per field.
-
-    Every field of these messages is numbered below 16, so a key is one byte; a longer key is a field
-    this decoder does not know, and the generated parser takes over.
-    """
-    while pos < end:
-        first = pos
-        key = buf[pos]
-        if key & 0x80:
-            raise _Fallback
-        pos += 1
-        wt = key & 7
-        if wt == 2:
-            n = buf[pos] if pos < end else 0x80
-            if n & 0x80:
-                n, pos = _read_varint(buf, pos, end)
-            else:
-                pos += 1
-            if pos + n > end:
-                raise _Fallback
-            yield key >> 3, 2, 0, first, pos, pos + n
-            pos += n
-        elif wt == 0:
-            value, pos = _read_varint(buf, pos, end)
-            yield key >> 3, 0, value, first, pos, pos
-        elif wt == 1:
-            if pos + 8 > end:
-                raise _Fallback
-            yield key >> 3, 1, 0, first, pos, pos + 8
-            pos += 8
-        else:
-            raise _Fallback
-
-
-def _decode_trajectory(data: bytes, start: int, end: int) -> TrajectoryData:
-    # proto3 defaults, not TrajectoryData's (which would invent an id and say "raw" for a missing source).
+def _decode_trajectory(data: bytes, pos: int, end: int) -> TrajectoryData:
+    # One inlined loop (no generator, no per-field tuples): at G=8 this loop runs ~80 times per group.
     kw: dict = dict(_EMPTY)
     rare: list[bytes] = []
-    for num, wt, value, first, a, b in _fields(data, start, end):
-        if wt == 2 and num in _BY_FIELD:
-            name, dtype = _BY_FIELD[num]
-            if (b - a) % dtype.itemsize:
-                raise InvalidTrajectory(f"{name} has {b - a} bytes, not a multiple of {dtype.itemsize}")
-            kw[name] = np.frombuffer(data, dtype=dtype, count=(b - a) // dtype.itemsize, offset=a)
-        elif wt == 2 and num in _STRINGS:
-            kw[_STRINGS[num]] = data[a:b].decode()
-        elif num == 8 and wt == 1:
-            kw["reward"] = _DOUBLE.unpack_from(data, a)[0]
-        elif num == 10 and wt == 0:
-            kw["finish_reason"] = value
-        elif num in (9, 12, 13, 14) and wt == 2:
-            rare.append(data[first:b])  # the whole field, for the generated parser
+    while pos < end:
+        first = pos
+        key = data[pos]
+        if key & 0x80:  # every field here is numbered below 16: a longer key is one we do not know
+            raise _Fallback
+        pos += 1
+        num = key >> 3
+        wt = key & 7
+        if wt == 2:
+            if pos >= end:
+                raise _Fallback
+            n = data[pos]
+            if n & 0x80:
+                n, pos = _read_varint(data, pos, end)
+            else:
+                pos += 1
+            stop = pos + n
+            if stop > end:
+                raise _Fallback
+            spec = _BY_FIELD.get(num)
+            if spec is not None:
+                name, dtype, size = spec
+                if n % size:
+                    raise InvalidTrajectory(f"{name} has {n} bytes, not a multiple of {size}")
+                kw[name] = np.frombuffer(data, dtype=dtype, count=n // size, offset=pos)
+            elif num in _STRINGS:
+                kw[_STRINGS[num]] = data[pos:stop].decode()
+            elif num in _RARE:
+                rare.append(data[first:stop])  # the whole field, for the generated parser
+            else:
+                raise _Fallback
+            pos = stop
+        elif wt == 1 and num == 8:
+            if pos + 8 > end:
+                raise _Fallback
+            kw["reward"] = _DOUBLE.unpack_from(data, pos)[0]
+            pos += 8
+        elif wt == 0 and num == 10:
+            kw["finish_reason"], pos = _read_varint(data, pos, end)
         else:
             raise _Fallback
     t = TrajectoryData(**kw)
@@ -198,43 +209,62 @@ def _decode_trajectory(data: bytes, start: int, end: int) -> TrajectoryData:
         t.metadata = dict(msg.metadata)
         t.started_at = msg.started_at.ToNanoseconds() / 1e9 if msg.HasField("started_at") else 0.0
         t.finished_at = msg.finished_at.ToNanoseconds() / 1e9 if msg.HasField("finished_at") else 0.0
-    validate(t)
     return t
+
+
+def decode_group_checked(data: bytes) -> tuple[GroupData, int]:
+    """``(group, oldest policy version)``, validated; see :func:`decode_group_fast`."""
+    try:
+        return _decode_group(data)
+    except (_Fallback, UnicodeDecodeError, struct.error, IndexError):
+        group = decode_group(data)  # the generated parser: same checks, its own error messages
+        return group, group.oldest_version
 
 
 def decode_group_fast(data: bytes) -> GroupData:
     """Like :func:`tether.trajectory.decode_group` (same checks, same errors), but the per-token arrays are
     read-only numpy views into ``data``."""
-    try:
-        return _decode_group(data)
-    except (_Fallback, UnicodeDecodeError, struct.error):
-        return decode_group(data)
+    return decode_group_checked(data)[0]
 
 
-def _decode_group(data: bytes) -> GroupData:
-    buf = data
+def _decode_group(data: bytes) -> tuple[GroupData, int]:
     group_id = prompt_id = ""
     trajectories: list[TrajectoryData] = []
     rare: list[bytes] = []
-    for num, wt, _, first, a, b in _fields(buf, 0, len(buf)):
-        if wt != 2:
+    pos, end = 0, len(data)
+    while pos < end:
+        first = pos
+        key = data[pos]
+        if key & 7 != 2 or key & 0x80:
             raise _Fallback
-        if num == 1:
-            group_id = buf[a:b].decode()
+        pos += 1
+        n = data[pos] if pos < end else 0x80
+        if n & 0x80:
+            n, pos = _read_varint(data, pos, end)
+        else:
+            pos += 1
+        stop = pos + n
+        if stop > end:
+            raise _Fallback
+        num = key >> 3
+        if num == 3:
+            trajectories.append(_decode_trajectory(data, pos, stop))
+        elif num == 1:
+            group_id = data[pos:stop].decode()
         elif num == 2:
-            prompt_id = buf[a:b].decode()
-        elif num == 3:
-            trajectories.append(_decode_trajectory(data, a, b))
+            prompt_id = data[pos:stop].decode()
         elif num == 4:
-            rare.append(buf[first:b])
+            rare.append(data[first:stop])
         else:
             raise _Fallback
+        pos = stop
     if not group_id:
         raise InvalidTrajectory("trajectory group has no group_id")
     if not trajectories:
         raise InvalidTrajectory(f"trajectory group {group_id} is empty")
+    oldest = validate_group(trajectories)  # the checks in decode_group's order: group, trajectories, ids
     for t in trajectories:
         if t.group_id != group_id:
             raise InvalidTrajectory(f"trajectory {t.id} has group_id {t.group_id!r}, its group is {group_id!r}")
     metadata = dict(pb.TrajectoryGroup.FromString(b"".join(rare)).metadata) if rare else {}
-    return GroupData(group_id=group_id, trajectories=trajectories, prompt_id=prompt_id, metadata=metadata)
+    return GroupData(group_id=group_id, trajectories=trajectories, prompt_id=prompt_id, metadata=metadata), oldest

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from rollout_server.engines import Engine
+from rollout_server.engines.base import EngineRejected
 from rollout_server.metrics import ServerMetrics
 from rollout_server.sink import BufferSink
 from rollout_server.validation import BadRequest
@@ -73,6 +74,9 @@ class ServerState:
         except BadRequest as e:
             code = e.code.name
             await context.abort(e.code, str(e))
+        except EngineRejected as e:
+            code = "INVALID_ARGUMENT"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: the engine refused it: {e}")
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise

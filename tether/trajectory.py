@@ -130,6 +130,60 @@ def validate(t: TrajectoryData) -> None:
         raise InvalidTrajectory(f"trajectory {tid}: negative policy version")
 
 
+# Below this many elements per kind, one concatenate and one reduction over the whole group is cheaper than
+# a reduction per array: numpy's per-call overhead (~1-3 µs) dwarfs copying a few hundred KB.
+_CONCAT_MAX_ELEMENTS = 1 << 15
+
+
+def _group_reduce(op: np.ufunc, arrays: list[np.ndarray], total: int) -> int | None:
+    arrays = [a for a in arrays if a.shape[0]]
+    if not arrays:
+        return None
+    if len(arrays) == 1 or total > _CONCAT_MAX_ELEMENTS:
+        return int(op.reduce([op.reduce(a) for a in arrays]))
+    return int(op.reduce(np.concatenate(arrays)))
+
+
+def validate_group(trajectories: Sequence[TrajectoryData]) -> int:
+    """:func:`validate` every trajectory of a group at once; returns the group's oldest policy version (-1
+    when it has no completion tokens).
+
+    The checks run vectorised over the whole group (a handful of numpy calls instead of ~5 per
+    trajectory). When any fails, the trajectories are re-validated one by one, so the error raised is
+    exactly the one :func:`validate` in order would raise.
+    """
+    prompts, completions, masks, versions = [], [], [], []
+    n_tokens = n_versions = 0
+    for t in trajectories:
+        n = t.completion_token_ids.shape[0]
+        if (
+            not t.id
+            or t.behavior_logprobs.shape[0] != n
+            or t.policy_versions.shape[0] != n
+            or t.loss_mask.shape[0] != n
+        ):
+            break
+        prompts.append(t.prompt_token_ids)
+        completions.append(t.completion_token_ids)
+        masks.append(t.loss_mask)
+        versions.append(t.policy_versions)
+        n_tokens += t.prompt_token_ids.shape[0] + n
+        n_versions += n
+    else:
+        lowest_token = _group_reduce(np.minimum, prompts + completions, n_tokens)
+        highest_mask = _group_reduce(np.maximum, masks, n_versions)
+        oldest = _group_reduce(np.minimum, versions, n_versions)
+        if (
+            (lowest_token is None or lowest_token >= 0)
+            and (highest_mask is None or highest_mask <= 1)
+            and (oldest is None or oldest >= 0)
+        ):
+            return -1 if oldest is None else oldest
+    for t in trajectories:
+        validate(t)
+    raise InvalidTrajectory("trajectory group failed validation")  # not reached: validate raises first
+
+
 @dataclass
 class GroupData:
     group_id: str

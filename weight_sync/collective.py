@@ -102,7 +102,7 @@ def close_group(pg: dist.ProcessGroup | None) -> None:
         try:
             getattr(pg, method)()
             return
-        except Exception:  # noqa: S112 - best effort: a broken group may refuse either
+        except Exception:  # best effort: a broken group may refuse either
             continue
 
 

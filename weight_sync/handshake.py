@@ -77,7 +77,9 @@ class ControlClients:
         self._stubs.clear()
 
 
-def abort_all(clients: ControlClients, servers: Sequence[str], *, update_id: str, reason: str, timeout_s: float) -> None:
+def abort_all(
+    clients: ControlClients, servers: Sequence[str], *, update_id: str, reason: str, timeout_s: float
+) -> None:
     """Best effort: tell servers to resume on their current weights (a dead one just does not answer)."""
     if servers:
         request = control_pb2.AbortWeightUpdateRequest(update_id=update_id, reason=reason)

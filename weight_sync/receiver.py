@@ -72,8 +72,12 @@ class WeightReceiver:
             self._plan = plan
             await self.target.start(plan)
             self._arm_watchdog(plan.update_id)
-            log.info("weight_update_prepared", version=plan.version, update_id=plan.update_id,
-                     source=plan.WhichOneof("source"))
+            log.info(
+                "weight_update_prepared",
+                version=plan.version,
+                update_id=plan.update_id,
+                source=plan.WhichOneof("source"),
+            )
             return control_pb2.PrepareWeightUpdateResponse(current_version=self.version, ready=True)
 
     async def commit(self, req: control_pb2.CommitWeightUpdateRequest) -> control_pb2.CommitWeightUpdateResponse:

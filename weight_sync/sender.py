@@ -133,8 +133,15 @@ class WeightSender:
             "weight_sync/group_rebuild_seconds": getattr(self.transport, "rebuild_seconds", 0.0),
             "weight_sync/snapshot": float(snapshot is not None),
         }
-        log.info("weights_published", version=version, servers=len(servers), reached=reached,
-                 dropped=sorted(dropped), bytes=self.layout.num_bytes, seconds=round(seconds, 3))
+        log.info(
+            "weights_published",
+            version=version,
+            servers=len(servers),
+            reached=reached,
+            dropped=sorted(dropped),
+            bytes=self.layout.num_bytes,
+            seconds=round(seconds, 3),
+        )
         return metrics
 
     def _agree(self, gather: bool) -> bool:
@@ -144,8 +151,9 @@ class WeightSender:
         backend = dist.get_backend(self.process_group)
         device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
         flag = torch.tensor([int(gather)], device=device)
-        dist.broadcast(flag, src=dist.get_global_rank(self.process_group, 0) if self.process_group else 0,
-                       group=self.process_group)
+        dist.broadcast(
+            flag, src=dist.get_global_rank(self.process_group, 0) if self.process_group else 0, group=self.process_group
+        )
         return bool(flag.item())
 
     def _plans(self, servers: Sequence[str], version: int, update_id: str) -> dict[str, control_pb2.WeightUpdatePlan]:
@@ -232,7 +240,9 @@ class WeightSender:
                 dropped[server] = f"committed but reports version {response.policy_version}"
                 continue
             bad = [
-                n for n, v in response.checksums.items() if not math.isclose(self.last_checksums.get(n, v), v, rel_tol=1e-9)
+                n
+                for n, v in response.checksums.items()
+                if not math.isclose(self.last_checksums.get(n, v), v, rel_tol=1e-9)
             ]
             if bad:
                 dropped[server] = f"checksum mismatch on {len(bad)} tensors (first: {bad[0]})"

@@ -115,8 +115,17 @@ class ReceiverProcess:
 
         self.port_file = Path(workdir) / f"receiver-{uuid.uuid4().hex[:8]}.port"
         self.log_file = self.port_file.with_suffix(".log")
-        cmd = [sys.executable, "-m", "weight_sync.standalone", "--config", str(config), "--model", str(model),
-               "--port-file", str(self.port_file)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "weight_sync.standalone",
+            "--config",
+            str(config),
+            "--model",
+            str(model),
+            "--port-file",
+            str(self.port_file),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         with open(self.log_file, "wb") as log_out:
             self.proc = subprocess.Popen(cmd, stdout=log_out, stderr=subprocess.STDOUT, env=env)

@@ -38,7 +38,7 @@ class SenderTransport(abc.ABC):
 
     @abc.abstractmethod
     def sources(self, servers: Sequence[str], *, version: int) -> dict[str, dict]:
-        """Per receiver address, the ``source`` field of its plan (``{"collective": ...}`` or ``{"filesystem": ...}``)."""
+        """Per receiver address, its plan's ``source`` field: ``{"collective": ...}`` or ``{"filesystem": ...}``."""
 
     def begin(self, update_id: str, ready: Sequence[str]) -> bool:
         """The transfer to ``ready`` may start (False: it cannot; the caller aborts the update)."""
@@ -138,8 +138,12 @@ class CollectiveSender(SenderTransport):
                 self.members = ()
                 return False
             self.rebuild_seconds = time.perf_counter() - start
-            log.info("weight_sync_group_built", epoch=self.epoch, world=len(self.members) + 1,
-                     seconds=round(self.rebuild_seconds, 3))
+            log.info(
+                "weight_sync_group_built",
+                epoch=self.epoch,
+                world=len(self.members) + 1,
+                seconds=round(self.rebuild_seconds, 3),
+            )
         else:
             self.rebuild_seconds = 0.0
         return True

@@ -9,8 +9,10 @@ numbers.
 
 ``tether_prepare`` starts the receive in a background thread and returns at once (the learner broadcasts
 only after every receiver answered Prepare); ``tether_commit`` waits for it with a timeout and calls
-``model.load_weights``, which knows the model's own layout (fused qkv / gate-up projections, tensor
-parallel shards, tied embeddings) — this is why vLLM receives full, unsharded HF-named tensors.
+``model_runner.reload_weights`` (vLLM's in-place reload: ``model.load_weights`` plus re-running the
+kernels' post-load processing; plain ``model.load_weights`` on older vLLM), which knows the model's own
+layout (fused qkv / gate-up projections, tensor parallel shards, tied embeddings) — this is why vLLM
+receives full, unsharded HF-named tensors.
 
 Limitation: with ``tensor_parallel_size > 1`` each worker would need its own rank in the group; the plan
 carries one rank per server, so collective transports support TP=1 and larger TP uses ``filesystem``.
@@ -90,5 +92,39 @@ class WeightSyncWorker:
                     totals["checksums"][name] = checksum(tensor)
                 yield name, tensor
 
-        self.model_runner.model.load_weights(weights=counted())
+        runner = self.model_runner
+        if hasattr(runner, "reload_weights"):
+            # vLLM >= 0.3x: load_weights plus redoing process_weights_after_loading layer by layer; a bare
+            # load_weights fails once the CPU / quantized kernels have repacked the original Parameters.
+            tied = _tied_groups(runner.model)
+            runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+            _retie_and_reprocess(tied)
+        else:
+            runner.model.load_weights(weights=counted())
         return totals
+
+
+def _tied_groups(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
+    """Modules sharing one weight tensor (a tied ``lm_head`` and ``embed_tokens``), owner first."""
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            owners.setdefault(id(weight), []).append(module)
+    return [modules for modules in owners.values() if len(modules) > 1]
+
+
+def _retie_and_reprocess(groups: list[list[torch.nn.Module]]) -> None:
+    """Re-tie and redo post-load processing for every module of a tied weight, not just the first.
+
+    vLLM's layerwise reload processes a tied weight through one parent only (its documented limitation)
+    and may swap the owner's Parameter; on CPU the tied ``lm_head`` then keeps a prepacked GEMM copy of
+    the *old* embedding, so logits come from stale weights while the embedding's sums look right.
+    """
+    for owner, *others in groups:
+        for module in others:
+            module.weight = owner.weight
+        for module in (owner, *others):
+            method = getattr(module, "quant_method", None)
+            if hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)

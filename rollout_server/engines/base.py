@@ -28,6 +28,10 @@ class EngineError(RuntimeError):
     """The engine cannot serve a request (not started, shut down, or a backend failure)."""
 
 
+class EngineRejected(ValueError):
+    """The backend refused the request's parameters (the server answers INVALID_ARGUMENT)."""
+
+
 @dataclass(frozen=True)
 class SamplingSpec:
     """Validated sampling settings of one request (the server fills defaults before building it)."""

@@ -169,26 +169,14 @@ class TransformersEngine(Engine):
             if not self._admit.is_set():  # paused while we waited for a request: keep it for later
                 self._held = first
                 continue
-            batch, rows = [first], first.spec.n
-            deadline = time.monotonic() + self.ecfg.batch_wait_ms / 1000
-            while rows < limit:
-                try:
-                    nxt = await asyncio.wait_for(self._pending.get(), max(0.0, deadline - time.monotonic()))
-                except TimeoutError:
-                    break
-                if rows + nxt.spec.n > limit:
-                    self._held = nxt
-                    break
-                batch.append(nxt)
-                rows += nxt.spec.n
-            for req in [r for r in batch if r.aborted]:
-                req.out.put_nowait(None)  # cancelled while it waited: end its stream without running it
-            batch = [r for r in batch if not r.aborted]
-            if not batch:
-                continue
+            batch = [first]
+            # From here the batch counts as in flight: a drain-pause waits for it, a keep-pause freezes it
+            # at its first forward pass; either way no forward pass starts after pause() returned.
             self._batch_idle.clear()
             try:
-                await self._run_batch(batch)
+                batch = await self._collect(first, limit)
+                if batch:
+                    await self._run_batch(batch)
             except Exception as e:  # a backend failure fails this batch, never the server
                 log.exception("batch_failed", error=str(e))
                 for req in batch:
@@ -197,6 +185,24 @@ class TransformersEngine(Engine):
                     req.out.put_nowait(None)
             finally:
                 self._batch_idle.set()
+
+    async def _collect(self, first: _Request, limit: int) -> list[_Request]:
+        """``first`` plus what arrives within ``batch_wait_ms``, up to ``limit`` rows; aborted ones dropped."""
+        batch, rows = [first], first.spec.n
+        deadline = time.monotonic() + self.ecfg.batch_wait_ms / 1000
+        while rows < limit:
+            try:
+                nxt = await asyncio.wait_for(self._pending.get(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                break
+            if rows + nxt.spec.n > limit:
+                self._held = nxt
+                break
+            batch.append(nxt)
+            rows += nxt.spec.n
+        for req in [r for r in batch if r.aborted]:
+            req.out.put_nowait(None)  # cancelled while it waited: end its stream without running it
+        return [r for r in batch if not r.aborted]
 
     async def _run_batch(self, batch: list[_Request]) -> None:
         import torch

@@ -28,6 +28,7 @@ from rollout_server.engines.base import (
     Chunk,
     Engine,
     EngineError,
+    EngineRejected,
     SamplingSpec,
 )
 from tether.config import TetherConfig
@@ -111,24 +112,16 @@ class VllmEngine(Engine):
             self.llm = None
 
     async def stream(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         if self.llm is None:
             raise EngineError("vllm engine is not running")
         while not self._resumed.is_set():  # paused: hold new work out of the engine until resume
             await self._resumed.wait()
-        params = SamplingParams(
-            n=spec.n,
-            temperature=spec.temperature,
-            top_p=spec.top_p,
-            top_k=spec.top_k if spec.top_k > 0 else 0,
-            max_tokens=spec.max_tokens,
-            stop=list(spec.stop) or None,
-            seed=spec.seed,
-            logprobs=0,  # the sampled token's own log-prob only
-            output_kind=RequestOutputKind.DELTA,
-        )
+        # vLLM refuses n > 1 with greedy sampling; greedy samples are identical, so generate one and copy it.
+        copies = spec.n if spec.temperature == 0 else 1
+        try:
+            params = self._params(spec, n=spec.n // copies)
+        except ValueError as e:
+            raise EngineRejected(str(e)) from None
         open_samples = set(range(spec.n))
         self._running += 1
         try:
@@ -138,14 +131,35 @@ class VllmEngine(Engine):
                     ids = list(c.token_ids)
                     lps = [float(d[t].logprob) for d, t in zip(c.logprobs or [], ids, strict=False)]
                     finish = _FINISH.get(c.finish_reason or "", 0) if c.finish_reason else 0
-                    if finish:
-                        open_samples.discard(c.index)
-                    if ids or finish:
-                        yield Chunk(c.index, ids, lps, [version] * len(ids), finish)
+                    if not (ids or finish):
+                        continue
+                    for index in range(c.index, c.index + copies):
+                        if finish:
+                            open_samples.discard(index)
+                        yield Chunk(index, ids, lps, [version] * len(ids), finish)
+        except ValueError as e:  # vLLM validates some parameters only when the request is added
+            raise EngineRejected(str(e)) from None
         finally:
             self._running -= 1
             if open_samples and self.llm is not None:  # cancelled or closed early: free the engine's slots
                 await self.llm.abort(request_id)
+
+    @staticmethod
+    def _params(spec: SamplingSpec, *, n: int) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=n,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k if spec.top_k > 0 else 0,
+            max_tokens=spec.max_tokens,
+            stop=list(spec.stop) or None,
+            seed=spec.seed,
+            logprobs=0,  # the sampled token's own log-prob only
+            output_kind=RequestOutputKind.DELTA,
+        )
 
     async def abort(self, request_id: str) -> None:
         if self.llm is not None:

@@ -64,6 +64,7 @@ def test_put_read_ack_round_trip(client: redis.Redis) -> None:
     assert s["buffer/consumed"] == 3
     assert s["buffer/staleness/2"] == 3
     assert client.xlen(KEYS.trajectories) == 0  # acknowledged entries are deleted: memory stays bounded
+    assert client.keys(KEYS.payload("*")) == []  # and so are their payloads
 
 
 def test_retried_insert_makes_exactly_one_entry(client: redis.Redis) -> None:
@@ -74,6 +75,7 @@ def test_retried_insert_makes_exactly_one_entry(client: redis.Redis) -> None:
     assert writer.put(group) is None
     assert TrajectoryWriter(client, KEYS, cfg()).put(make_group(seed=7)) is None  # another producer, same id
     assert client.xlen(KEYS.trajectories) == 1
+    assert len(client.keys(KEYS.payload("*"))) == 1  # the retries' payloads were dropped, not leaked
     s = buffer_stats(client, KEYS)
     assert (s["buffer/produced"], s["buffer/duplicates"]) == (1, 2)
 
@@ -160,6 +162,7 @@ def test_backpressure_with_a_stalled_consumer(client: redis.Redis) -> None:
         with pytest.raises(BufferFull):
             writer.put(make_group(seed=100), timeout_s=0.05)
     assert client.xlen(KEYS.trajectories) == 4
+    assert len(client.keys(KEYS.payload("*"))) == 4  # a producer that gave up leaves no payload behind
     s = assert_balanced(client)
     assert s["buffer/produced"] == 4
     assert s["buffer/pending"] == 2
@@ -236,3 +239,38 @@ def test_oldest_age_uses_the_oldest_entry(client: redis.Redis) -> None:
     s = buffer_stats(client, KEYS)
     assert s["buffer/depth"] == 2
     assert s["buffer/oldest_age_s"] >= 0.04
+
+
+def test_a_waiting_producer_gets_in_when_room_appears(client: redis.Redis) -> None:
+    import threading
+
+    c = cfg(max_trajectory_groups=1, put_timeout_s=5.0)
+    writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
+    writer.put(make_group(seed=0))
+    result: list = []
+    waiting = threading.Thread(target=lambda: result.append(TrajectoryWriter(client, KEYS, c).put(make_group(seed=1))))
+    waiting.start()
+    time.sleep(0.1)
+    assert len(client.keys(KEYS.payload("*"))) == 2  # the waiting group's payload is already in Redis
+    got = reader.read(1, current_version=2, max_staleness=1, block_ms=300)
+    reader.ack([got[0].entry_id])
+    waiting.join(timeout=5)
+    assert result and result[0] is not None
+    assert [b.group.group_id for b in reader.read(1, current_version=2, max_staleness=1, block_ms=300)] == ["group-1"]
+    assert_balanced(client)
+
+
+def test_an_entry_whose_payload_is_gone_is_dead_lettered(client: redis.Redis) -> None:
+    c = cfg()
+    writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
+    writer.put(make_group(seed=0))
+    writer.put(make_group(seed=1))
+    client.delete(client.keys(KEYS.payload("*"))[0])  # e.g. evicted by an allkeys maxmemory policy
+    got = reader.read(2, current_version=2, max_staleness=1, block_ms=300)
+    assert len(got) == 1
+    reader.ack([got[0].entry_id])
+    ((_, dead),) = client.xrange(KEYS.dead_letter)
+    assert dead[b"reason"].startswith(b"undecodable: payload key")
+    s = assert_balanced(client)
+    assert (s["buffer/dead_letter"], s["buffer/bytes"]) == (1, 0)
+    assert client.keys(KEYS.payload("*")) == []

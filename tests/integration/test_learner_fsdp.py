@@ -42,7 +42,7 @@ def _cfg(model_dir: str, learner: dict | None = None, algorithm: dict | None = N
     )
 
 
-def _worker(rank: int, world: int, port: int, model_dir: str, out: str, scenario: str, overrides: dict) -> None:
+def _worker(rank: int, world: int, port: int, model_dir: str, out: str, scenario: str, overrides_json: str) -> None:
     import torch.distributed as dist
 
     from learner.checkpoint import TrainState, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -50,6 +50,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, scenario
     from learner.synthetic import make_groups
     from learner.trainer import Trainer
 
+    overrides = json.loads(overrides_json)  # plain strings into the children: nothing pickled but builtins
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
     cfg = _cfg(model_dir, overrides.get("learner"), overrides.get("algorithm"))
@@ -90,7 +91,9 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, scenario
 
 
 def _spawn(world: int, model_dir: Path, out: Path, scenario: str, **overrides) -> tuple[list[dict], dict]:
-    mp.spawn(_worker, args=(world, free_port(), str(model_dir), str(out), scenario, overrides), nprocs=world)
+    mp.spawn(
+        _worker, args=(world, free_port(), str(model_dir), str(out), scenario, json.dumps(overrides)), nprocs=world
+    )
     return json.loads((out / f"{scenario}.json").read_text()), load_file(str(out / f"{scenario}.st"))
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 import yaml
 
+from tests.helpers import wait_gone
 from tether.config import TetherConfig
 from tether.config.loader import load_config
-from tests.helpers import wait_gone
 from weight_sync.sender import WeightSender
 from weight_sync.snapshot import latest_snapshot, read_snapshot
 from weight_sync.standalone import ModelEngine, ReceiverProcess
@@ -22,9 +22,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 def _config(tmp_path: Path) -> tuple[Path, TetherConfig]:
     data = {
         "run": {"run_id": "fleet", "output_dir": str(tmp_path / "runs")},
-        "weight_sync": {"transport": {"type": "gloo", "master_port": 0}, "bucket_size_mb": 0.05,
-                        "verify_checksums": True, "prepare_timeout_s": 5, "transfer_timeout_s": 10,
-                        "commit_timeout_s": 15},
+        "weight_sync": {
+            "transport": {"type": "gloo", "master_port": 0},
+            "bucket_size_mb": 0.05,
+            "verify_checksums": True,
+            "prepare_timeout_s": 5,
+            "transfer_timeout_s": 10,
+            "commit_timeout_s": 15,
+        },
     }
     path = tmp_path / "tether.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -55,7 +60,9 @@ def test_killed_receiver_does_not_stall_the_learner_and_comes_back_current(tmp_p
         metrics = sender.publish(2)
         elapsed = time.monotonic() - started
         sender.on_bucket = None
-        budget = cfg.weight_sync.prepare_timeout_s + cfg.weight_sync.transfer_timeout_s + cfg.weight_sync.commit_timeout_s
+        budget = (
+            cfg.weight_sync.prepare_timeout_s + cfg.weight_sync.transfer_timeout_s + cfg.weight_sync.commit_timeout_s
+        )
         assert elapsed < budget, f"publish took {elapsed:.1f}s, past the deadlines' sum {budget}s"
         assert metrics["weight_sync/dropped"] >= 1 and victim.address in sender.last_dropped
         # The survivor still reached v2 (over the wire, or from the v2 snapshot after the group broke).

@@ -61,21 +61,43 @@ def test_fsdp2_sharded_learner_publishes_full_weights(tmp_path: Path, tiny_model
     from weight_sync.standalone import ModelEngine, ReceiverProcess
 
     config = tmp_path / "tether.yaml"
-    config.write_text(yaml.safe_dump({
-        "run": {"run_id": "fsdp", "output_dir": str(tmp_path / "runs")},
-        "weight_sync": {"transport": {"type": "gloo", "master_port": 0}, "bucket_size_mb": 0.1,
-                        "verify_checksums": True, "prepare_timeout_s": 10, "transfer_timeout_s": 30,
-                        "commit_timeout_s": 30},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "run": {"run_id": "fsdp", "output_dir": str(tmp_path / "runs")},
+                "weight_sync": {
+                    "transport": {"type": "gloo", "master_port": 0},
+                    "bucket_size_mb": 0.1,
+                    "verify_checksums": True,
+                    "prepare_timeout_s": 10,
+                    "transfer_timeout_s": 30,
+                    "commit_timeout_s": 30,
+                },
+            }
+        )
+    )
     receivers = [ReceiverProcess(config=config, model=tiny_model_dir, workdir=tmp_path) for _ in range(2)]
     out = tmp_path / "rank0.json"
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
-           "WS_CONFIG": str(config), "WS_MODEL": str(tiny_model_dir), "WS_OUT": str(out), "OMP_NUM_THREADS": "1",
-           "WS_SERVERS": ",".join(r.address for r in receivers)}
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": "2",
+        "WS_CONFIG": str(config),
+        "WS_MODEL": str(tiny_model_dir),
+        "WS_OUT": str(out),
+        "OMP_NUM_THREADS": "1",
+        "WS_SERVERS": ",".join(r.address for r in receivers),
+    }
     try:
         ranks = [
-            subprocess.Popen([sys.executable, __file__], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            subprocess.Popen(
+                [sys.executable, __file__],
+                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
             for r in range(2)
         ]
         logs = [p.communicate(timeout=180)[0] for p in ranks]

@@ -72,12 +72,19 @@ def fleet() -> Iterator[Fleet]:
 
 
 def _cfg(tmp_path: Path, *, bucket_size_mb: float = 0.25) -> TetherConfig:
-    return TetherConfig.model_validate({
-        "run": {"run_id": "ws", "output_dir": str(tmp_path)},
-        "weight_sync": {"transport": {"type": "gloo", "master_port": 0}, "bucket_size_mb": bucket_size_mb,
-                        "verify_checksums": True, "prepare_timeout_s": 10, "transfer_timeout_s": 20,
-                        "commit_timeout_s": 20},
-    })
+    return TetherConfig.model_validate(
+        {
+            "run": {"run_id": "ws", "output_dir": str(tmp_path)},
+            "weight_sync": {
+                "transport": {"type": "gloo", "master_port": 0},
+                "bucket_size_mb": bucket_size_mb,
+                "verify_checksums": True,
+                "prepare_timeout_s": 10,
+                "transfer_timeout_s": 20,
+                "commit_timeout_s": 20,
+            },
+        }
+    )
 
 
 @pytest.mark.parametrize("bucket_size_mb", [0.25, 1e-6])  # bucketed, and one tensor per bucket

@@ -22,7 +22,9 @@ def _tensors() -> dict[str, torch.Tensor]:
 
 
 def _roundtrip(tensors: dict[str, torch.Tensor], bucket_size_bytes: int) -> dict[str, torch.Tensor]:
-    layout = plan_layout(((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()), bucket_size_bytes=bucket_size_bytes)
+    layout = plan_layout(
+        ((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()), bucket_size_bytes=bucket_size_bytes
+    )
     # What travels: the plan as protobuf bytes, then one flat buffer per bucket.
     plan = control_pb2.WeightUpdatePlan.FromString(
         control_pb2.WeightUpdatePlan(tensors=layout.tensors, buckets=layout.buckets).SerializeToString()

@@ -18,7 +18,15 @@ from buffer.codec import (
     staleness_of,
 )
 from buffer.wire import decode_group_fast, encode_group_fast
-from tether.trajectory import GroupData, InvalidTrajectory, TrajectoryData, decode_group, encode_group
+from tether.trajectory import (
+    GroupData,
+    InvalidTrajectory,
+    TrajectoryData,
+    decode_group,
+    encode_group,
+    validate,
+    validate_group,
+)
 from tether.v1 import trajectory_pb2 as pb
 
 
@@ -183,3 +191,37 @@ def test_header_of_a_foreign_entry_never_raises() -> None:
     assert head.nbytes == 0
     assert head.codec == b""
     assert read_header({b"v": b"4", b"n": b"100", b"c": b"pb", b"g": b"g1"}).oldest_version == 4
+
+
+@pytest.mark.parametrize(
+    "breakage",
+    [
+        lambda ts: setattr(ts[2], "id", ""),
+        lambda ts: setattr(ts[1], "loss_mask", ts[1].loss_mask[:-1]),
+        lambda ts: ts[3].completion_token_ids.__setitem__(4, -7),
+        lambda ts: ts[0].prompt_token_ids.__setitem__(0, -1),
+        lambda ts: ts[2].loss_mask.__setitem__(0, 2),
+        lambda ts: ts[1].policy_versions.__setitem__(3, -1),
+        lambda ts: (ts[3].loss_mask.__setitem__(0, 5), setattr(ts[1], "id", "")),  # the first in order wins
+    ],
+)
+def test_group_validation_raises_what_validate_raises_in_order(breakage) -> None:
+    ts = make_group(tokens=32).trajectories
+    assert validate_group(ts) == 1
+    breakage(ts)
+    with pytest.raises(InvalidTrajectory) as expected:
+        for t in ts:
+            validate(t)
+    with pytest.raises(InvalidTrajectory) as got:
+        validate_group(ts)
+    assert str(got.value) == str(expected.value)
+
+
+def test_group_validation_of_large_groups_and_empty_completions() -> None:
+    ts = make_group(tokens=40_000, g=2, version=5).trajectories  # past the concatenation threshold
+    assert validate_group(ts) == 4
+    ts[1].completion_token_ids[-1] = -1
+    with pytest.raises(InvalidTrajectory, match="negative token id"):
+        validate_group(ts)
+    empty = make_group(tokens=0, g=2).trajectories
+    assert validate_group(empty) == -1

@@ -102,7 +102,8 @@ async def test_stop_string_and_abort(engine) -> None:
         (cut,) = await engine.generate(ids, SamplingSpec(n=1, max_tokens=30, seed=3, stop=(stop,)))
         assert cut.finish_reason == FINISH_STOP and len(cut.token_ids) < len(free.token_ids)
     task = asyncio.create_task(engine.generate(ids, SamplingSpec(n=2, max_tokens=200), request_id="r-abort"))
-    await asyncio.sleep(0.2)
+    while not engine._running_rows:  # abort once it runs, well before 200 tokens
+        await asyncio.sleep(0.001)
     await engine.abort("r-abort")
     samples = await task
     assert all(s.finish_reason == FINISH_ABORTED and len(s.token_ids) < 200 for s in samples)

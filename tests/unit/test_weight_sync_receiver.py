@@ -36,8 +36,13 @@ def learner_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _cfg(tmp_path: Path, **ws) -> TetherConfig:
     return TetherConfig.model_validate(
-        {"weight_sync": {"transport": {"type": "filesystem", "path": str(tmp_path / "snaps")},
-                         "verify_checksums": True, **ws}}
+        {
+            "weight_sync": {
+                "transport": {"type": "filesystem", "path": str(tmp_path / "snaps")},
+                "verify_checksums": True,
+                **ws,
+            }
+        }
     )
 
 
@@ -50,8 +55,11 @@ def _publish_snapshot(cfg: TetherConfig, learner_dir: Path, version: int) -> tup
 
 def _plan(sender: WeightSender, version: int, **source) -> control_pb2.WeightUpdatePlan:
     return control_pb2.WeightUpdatePlan(
-        version=version, tensors=sender.layout.tensors, buckets=sender.layout.buckets,
-        update_id=f"u{version}", **source,
+        version=version,
+        tensors=sender.layout.tensors,
+        buckets=sender.layout.buckets,
+        update_id=f"u{version}",
+        **source,
     )
 
 
@@ -123,10 +131,12 @@ async def test_failed_transfer_falls_back_to_the_snapshot(tmp_path: Path, tiny_m
     cfg = _cfg(tmp_path, prepare_timeout_s=0.3, transfer_timeout_s=0.3, commit_timeout_s=5)
     sender, learner = _publish_snapshot(cfg, learner_dir, 1)
     # A real store that never says "go": the collective receive fails on its own deadline.
-    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
-                          timeout=dt.timedelta(seconds=5))
-    source = control_pb2.CollectiveSource(backend="gloo", init_method=f"tcp://127.0.0.1:{store.port}",
-                                          world_size=2, rank=1, group_epoch=1)
+    store = dist.TCPStore(
+        "127.0.0.1", free_port(), is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=5)
+    )
+    source = control_pb2.CollectiveSource(
+        backend="gloo", init_method=f"tcp://127.0.0.1:{store.port}", world_size=2, rank=1, group_epoch=1
+    )
     engine = ModelEngine.from_path(tiny_model_dir)
     receiver = WeightReceiver(engine, cfg)
     assert (await receiver.prepare(_plan(sender, 1, collective=source))).ready

@@ -29,8 +29,11 @@ class BufferConfig(Section):
     max_deliveries: int = Field(default=5, gt=0)
     """An entry delivered more often than this goes to the dead-letter stream."""
 
-    compression: Literal["none", "zlib"] = "zlib"
-    """Compression of large trajectory payloads."""
+    compression: Literal["none", "zlib"] = "none"
+    """Compression of large trajectory payloads. Off by default: zlib level 1 runs at roughly 50-100 MB/s
+    per core and random log-probs and token ids barely shrink, while Redis on a local or datacenter link
+    stores and serves over 1 GB/s, so compressing only slows the buffer down (bench/buffer.py
+    --compression zlib shows it). Worth turning on only when Redis sits across a slow link."""
 
     compress_min_bytes: int = Field(default=256 * 1024, ge=0)
     """Payloads smaller than this are stored uncompressed."""
