@@ -29,7 +29,11 @@ install: $(VENV)/.base
 
 install-test: $(VENV)/.vllm
 
-demo: install
+# The demo's tiny model is made locally (no hub): 64 wide, 2 layers, head_dim 32.
+.cache/tiny-demo/config.json: | install
+	$(VENV)/bin/tether make-tiny-model .cache/tiny-demo --hidden 64 --layers 2 --heads 2
+
+demo: install .cache/tiny-demo/config.json
 	$(VENV)/bin/tether up --config configs/demo.yaml
 
 # pytest exits 5 when a marker selection collects nothing: that is not a failure here.

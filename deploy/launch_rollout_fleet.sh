@@ -9,7 +9,8 @@
 # LOG_DIR/rollout-<i>.log. Every server registers host:port in Redis, so the learner finds them there.
 # Ctrl-C or SIGTERM stops them all (each drains first); the script exits when every server has.
 # It also writes LOG_DIR/prometheus-targets.json, a Prometheus file_sd list of the metrics endpoints.
-# Secrets come from the environment: TETHER_AUTH_TOKEN (required by the servers on every call).
+# Secrets come from the environment: TETHER_AUTH_TOKEN (required by the servers on every call; the learner
+# sends the same variable).
 set -euo pipefail
 
 NUM_SERVERS=${NUM_SERVERS:-1}

@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from learner.packing import MicroBatch
+from learner.varlen_attention import cu_seqlens_kwargs
 
 DEFAULT_CHUNK = 2048
 
@@ -75,7 +76,9 @@ def forward_micro_batch(
         logits = model(input_ids=input_ids, position_ids=position_ids, **kwargs).logits
         logits = logits.reshape(-1, logits.shape[-1])[index]
     else:
-        # No attention mask + restarting position ids: transformers' packed-sequence path.
+        # No attention mask + restarting position ids: transformers' packed-sequence path. The boundaries go
+        # in once here so no layer re-derives them (flash_attention_2 and the varlen kernel both read them).
+        kwargs.update(cu_seqlens_kwargs(mb.seq_lengths, device))
         logits = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=index, **kwargs).logits[0]
     targets = mb.targets.to(device, non_blocking=True)
     logprobs = logprobs_from_logits(logits, targets, chunk_size=chunk_size)

@@ -6,10 +6,11 @@ token ``i + 1``, so completion token ``j`` is scored from position ``prompt_len 
 positions go through the LM head (``logits_to_keep``), which keeps the ``[tokens, vocab]`` tensor to
 completion tokens.
 
-``use_remove_padding`` packs a micro-batch into one row: position ids restart at 0 for every sequence
-and no attention mask is passed, which is how transformers recognises a packed row (it builds the
-block-diagonal causal mask for sdpa/eager and uses the varlen kernel for flash-attention), so no token
-attends across a sequence boundary and no compute is spent on padding. Without it, sequences are
+``use_remove_padding`` packs a micro-batch into one row: position ids restart at 0 for every sequence,
+no attention mask is passed, and the sequence lengths travel with the micro-batch so the forward can
+hand the attention kernel its boundaries (``cu_seqlens``): flash-attention's varlen kernel on GPU,
+:mod:`learner.varlen_attention` otherwise. No token attends across a sequence boundary, no compute is
+spent on padding, and attention costs ``ΣL²`` rather than ``(ΣL)²``. Without it, sequences are
 right-padded into ``[B, L]`` with an attention mask — the baseline the benchmark compares against.
 
 Planning is deterministic from the lengths alone: every rank holds the whole step's samples (rank 0
@@ -69,6 +70,7 @@ class MicroBatch:
     seq_ids: Tensor  # [N] local sequence index 0..S-1
     sample_index: list[int]  # indices of this micro-batch's samples in the step's sample list
     packed: bool
+    seq_lengths: list[int] = field(default_factory=list)  # tokens of each sequence, in row order
 
     @property
     def empty(self) -> bool:
@@ -119,6 +121,7 @@ def make_micro_batch(samples: list[Sample], index: list[int], *, packed: bool, p
         seq_ids=torch.cat(seq_ids),
         sample_index=list(index),
         packed=packed,
+        seq_lengths=lengths,
     )
 
 

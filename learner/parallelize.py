@@ -16,6 +16,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from learner import varlen_attention
 from tether.config import TetherConfig
 from tether.logs import get_logger
 
@@ -33,8 +34,15 @@ def mixed_precision_policy(cfg: TetherConfig, device: torch.device) -> MixedPrec
 
 
 def attn_implementation(cfg: TetherConfig, device: torch.device) -> str:
-    """The configured kernel, with a clear error where it cannot run."""
+    """The kernel the learner runs, with a clear error where the configured one cannot run.
+
+    Packed rows (``use_remove_padding``) with sdpa/eager get :mod:`learner.varlen_attention` instead:
+    transformers would otherwise attend over the whole row through a ``(ΣL)²`` block-diagonal mask,
+    which makes packing slower than padding. flash_attention_2 has its own varlen kernel and stays.
+    """
     impl = cfg.model.attn_implementation
+    if cfg.learner.use_remove_padding and impl in ("sdpa", "eager"):
+        return varlen_attention.register()
     if impl == "flash_attention_2":
         if device.type != "cuda":
             raise RuntimeError("model.attn_implementation: flash_attention_2 needs a GPU; use sdpa on CPU")

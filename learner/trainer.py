@@ -246,6 +246,10 @@ class Trainer:
                 "reward/min": min(rewards),
                 "staleness/mean": sum(stale) / len(stale),
                 "staleness/max": float(max(stale)),
+                # policy versions that produced the trained data (oldest token of each sample)
+                "data/version_min": float(version - max(stale)),
+                "data/version_max": float(version - min(stale)),
+                "data/groups": float(len(groups)),
                 "response/length_mean": sum(s.num_completion for s in samples) / len(samples),
                 "learner/samples": float(len(samples)),
                 "learner/tokens": float(tokens),

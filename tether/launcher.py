@@ -8,6 +8,8 @@ learner finishes; Ctrl-C or a crashed child stops everything (no orphan processe
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -74,6 +76,27 @@ def check_model_path(cfg: TetherConfig) -> None:
         )
 
 
+def save_buffer_stats(cfg: TetherConfig, paths: RunPaths) -> None:
+    """Write the buffer's final books to ``{run}/buffer_stats.json`` (best effort, never fails the run)."""
+    try:
+        from buffer import RedisKeys, buffer_stats
+        from tether.redis_server import connect_redis
+
+        client = connect_redis(cfg.buffer.redis_url, timeout_s=2)
+        stats = buffer_stats(client, RedisKeys(cfg.run.run_id))
+        client.close()
+        (paths.root / "buffer_stats.json").write_text(json.dumps(stats, indent=1, sort_keys=True))
+    except Exception as e:  # diagnostics only
+        log.warning("buffer_stats_not_saved", error=repr(e))
+
+
+def thread_env(num_processes: int) -> dict[str, str]:
+    """Split this machine's cores between the local processes (unless the user set OMP_NUM_THREADS)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, num_processes)))}
+
+
 def up(cfg: TetherConfig, *, resume: bool = False) -> int:
     check_model_path(cfg)
     if cfg.run.run_id is None:
@@ -122,5 +145,7 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
         return 130
     finally:
         supervisor.stop_all()
+        if cfg.buffer.redis_url:
+            save_buffer_stats(cfg, paths)
         if embedded is not None:
             embedded.stop()

@@ -73,7 +73,11 @@ class WeightSender:
         if rank == 0:
             self.snapshot_root = snapshot_root(cfg) if self._snapshots_possible() else None
             self.transport = make_sender_transport(self.wcfg, snapshot_root=self.snapshot_root)
-            self.clients = ControlClients(token=self.wcfg.control_token)
+            # One token for both sides: the servers require rollout.auth_token, else TETHER_AUTH_TOKEN,
+            # so the learner resolves it with the servers' own function rather than a second setting.
+            from rollout_server.server import auth_token
+
+            self.clients = ControlClients(token=auth_token(cfg.rollout.auth_token) or None)
 
     def _snapshots_possible(self) -> bool:
         return self.wcfg.transport.type == "filesystem" or self.wcfg.snapshot_every > 0

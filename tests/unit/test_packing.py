@@ -16,11 +16,14 @@ from learner.logprobs import (
     logprobs_from_logits,
 )
 from learner.packing import Sample, make_micro_batch, per_token, plan_micro_batches
+from learner.varlen_attention import VARLEN
+from learner.varlen_attention import register as register_varlen
 
 
 def _model(attn: str) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    register_varlen()
     torch.manual_seed(0)
     cfg = Qwen2Config(
         vocab_size=64,
@@ -58,14 +61,16 @@ def _alone(model: torch.nn.Module, s: Sample) -> torch.Tensor:
     return torch.log_softmax(logits.double(), -1).gather(-1, ids[0, s.prompt_len :, None]).squeeze(-1).float()
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", VARLEN])
 @pytest.mark.parametrize("packed", [True, False])
 def test_micro_batch_logprobs_equal_unpadded_per_sequence(attn: str, packed: bool) -> None:
+    """VARLEN is what the learner runs for packed rows; padded rows through it rely on right padding."""
     model, samples = _model(attn), _samples(5)
+    reference = _model("sdpa")
     mb = make_micro_batch(samples, [0, 1, 2, 3, 4], packed=packed)
     with torch.no_grad():
         got, ent = forward_micro_batch(model, mb, device=torch.device("cpu"), with_entropy=True, chunk_size=7)
-        want = torch.cat([_alone(model, s) for s in samples])
+        want = torch.cat([_alone(reference, s) for s in samples])
     assert got.shape == want.shape == ent.shape
     assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -76,6 +81,7 @@ def test_packed_row_has_restarting_positions_and_no_padding() -> None:
     assert mb.input_ids.shape == (1, sum(s.length for s in samples))
     starts = (mb.position_ids[0] == 0).nonzero().flatten().tolist()
     assert starts == [0, samples[0].length, samples[0].length + samples[1].length]
+    assert mb.seq_lengths == [s.length for s in samples]
     assert mb.seq_ids.tolist() == [k for k, s in enumerate(samples) for _ in range(s.num_completion)]
     assert per_token(samples, [0, 1, 2], "advantage").shape == mb.targets.shape
 

@@ -73,6 +73,3 @@ class WeightSyncConfig(Section):
     verify_checksums: bool = False
     """Receivers return a float64 sum per tensor of what they loaded in CommitWeightUpdateResponse, and the
     learner compares them with its own (costs one extra pass over the weights on both sides)."""
-
-    control_token: str | None = None
-    """Bearer token the learner sends on Control RPCs when the rollout servers require one."""

@@ -1,0 +1,130 @@
+"""Varlen attention for packed rows without flash-attn: each sequence attends only within itself.
+
+A packed row (``use_remove_padding``) holds several sequences one after the other, with position ids
+restarting at 0 for each. With ``sdpa`` or ``eager``, transformers turns that into one block-diagonal
+causal mask of ``(ΣL)²`` entries and runs attention over the whole row, so attention costs
+``O((ΣL)²)`` instead of ``ΣL²`` and a budget of 8k tokens materialises a 64M-entry mask per forward —
+packing then loses to padding. flash-attn's ``flash_attn_varlen_func`` avoids both on GPU; this module
+is the same idea for CPU (and GPU without flash-attn): split the row at the sequence boundaries
+(``cu_seqlens``) and run ``scaled_dot_product_attention(is_causal=True)`` on each sequence.
+
+It is registered with transformers' ``AttentionInterface`` under :data:`VARLEN`. That name has no entry
+in transformers' mask interface, so the model skips mask creation entirely (no ``(ΣL)²`` tensor is
+ever built) and hands ``attention_mask=None`` to :func:`varlen_attention_forward`. The boundaries come
+from the flash-attention kwargs (``cu_seq_lens_q``) when the caller passes them — the learner computes
+them once per micro-batch in :func:`cu_seqlens_kwargs` — or else from where ``position_ids`` restart.
+
+Splitting uses one ``torch.split`` and one ``torch.cat`` so backward is one gather/scatter, not one
+full-size zero tensor per sequence. GQA runs through sdpa's ``enable_gqa`` (no ``repeat_kv`` copy).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+VARLEN = "tether_varlen"
+"""The ``attn_implementation`` name this module registers."""
+
+
+def cu_seqlens_from_position_ids(position_ids: Tensor) -> Tensor:
+    """Sequence boundaries of a packed row: ``[1, T]`` position ids -> int32 ``[S + 1]`` offsets.
+
+    A sequence starts wherever the position id does not follow its predecessor by one (a restart at 0,
+    or the first token), which is the rule transformers and flash-attn use for packed rows.
+    """
+    pos = position_ids.reshape(-1)
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[1:] = pos[1:] != pos[:-1] + 1
+    idx = starts.nonzero().flatten()
+    end = torch.tensor([pos.numel()], dtype=idx.dtype, device=idx.device)
+    return torch.cat([idx, end]).to(torch.int32)
+
+
+def cu_seqlens_kwargs(lengths: list[int], device: torch.device | None = None) -> dict:
+    """The flash-attention kwargs of a packed row of sequences of ``lengths`` tokens.
+
+    Passed to the model's forward they reach the attention function of every layer, so the boundaries
+    are computed once per micro-batch; ``flash_attention_2`` reads the same keys.
+    """
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    cu = cu.to(device) if device is not None else cu
+    longest = max(lengths)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def varlen_sdpa(query: Tensor, key: Tensor, value: Tensor, lengths: list[int], *, scale: float | None) -> Tensor:
+    """Causal attention within each segment of a packed row.
+
+    query ``[1, H, T, D]``, key/value ``[1, H_kv, T, D]`` (``H % H_kv == 0``), ``sum(lengths) == T``;
+    returns ``[1, H, T, D]``. Equal to running sdpa on every sequence alone and concatenating.
+    """
+    gqa = query.shape[1] != key.shape[1]
+    if len(lengths) == 1:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
+    outs = [
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        for q, k, v in zip(
+            query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2), strict=True
+        )
+    ]
+    return torch.cat(outs, dim=2)
+
+
+def _lengths(query: Tensor, kwargs: dict) -> list[int]:
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None and kwargs.get("position_ids") is not None:
+        cu = cu_seqlens_from_position_ids(kwargs["position_ids"])
+    if cu is None:
+        return [query.shape[2]]
+    cu = cu.tolist()
+    if cu[-1] != query.shape[2]:
+        raise ValueError(f"cu_seq_lens_q ends at {cu[-1]} but the packed row has {query.shape[2]} tokens")
+    return [b - a for a, b in itertools.pairwise(cu)]
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers attention-function signature; returns ``([B, T, H, D], None)`` like sdpa's."""
+    if attention_mask is not None:
+        raise ValueError(
+            f"{VARLEN} attention got an attention mask; it serves packed rows (no mask, restarting position "
+            "ids) — use attn_implementation sdpa for padded batches"
+        )
+    if sliding_window is not None or softcap is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError(
+            f"{VARLEN} attention has no sliding window, softcap or attention sinks; "
+            "use flash_attention_2 or set learner.use_remove_padding false for this model"
+        )
+    if dropout:
+        raise NotImplementedError(f"{VARLEN} attention has no dropout; set the model's attention_dropout to 0")
+    if query.shape[0] == 1:
+        out = varlen_sdpa(query, key, value, _lengths(query, kwargs), scale=scaling)
+    else:
+        # Several rows (a dummy or right-padded batch): causal attention per row needs no mask because
+        # right padding only ever follows the real tokens.
+        gqa = query.shape[1] != key.shape[1]
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Register :func:`varlen_attention_forward` with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN, varlen_attention_forward)
+    return VARLEN
