@@ -2,9 +2,15 @@
 
     python bench/learner.py [--quick]
 
-Same model, same groups, same process: completion lengths are long-tailed (log-uniform 16..1024 tokens),
-which is where padding to the longest sequence of a micro-batch wastes most compute. Prints tokens/s of
-each layout and the ratio (and MFU on GPU). Timing is never asserted anywhere; a test only runs --quick.
+Same model (both copies load the same weights), same groups, same process, the same tokens trained on:
+completion lengths are long-tailed (log-uniform 16..1024 tokens), which is where padding to the longest
+sequence of a micro-batch wastes most compute. The padded layout is verl's: a fixed
+``micro_batch_size_per_gpu`` sequences right-padded to the micro-batch's longest; the packed one fills a
+token budget (``max_token_len_per_gpu``) per row and attends within each sequence only
+(:mod:`learner.varlen_attention` on CPU). Both run forward + backward of the real policy loss and the
+optimizer step. The two layouts alternate step by step so that load from other processes hits both
+alike. Prints tokens/s of each layout, the ratio and how much of the padded layout is padding (and MFU
+on GPU). Timing is never asserted anywhere; a test only runs --quick.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from tether.tiny_model import make_tiny_model
 
     quick = args.quick
-    steps = args.steps or (1 if quick else 3)
+    steps = args.steps or (2 if quick else 3)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
@@ -48,16 +54,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     hidden, layers, heads = (64, 2, 2) if quick else ((1024, 8, 16) if cuda else (256, 4, 4))
     max_len = 256 if quick else 1024
-    n_groups, group_size = (4, 4) if quick else ((32, 8) if cuda else (8, 8))
+    n_groups, group_size = (4, 4) if quick else ((32, 8) if cuda else (4, 8))
+    micro_batch = 8
     budget = 2048 if quick else (16384 if cuda else int(os.environ.get("BENCH_BUDGET", "2048")))
+    layouts = {"padded": False, "packed": True}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(tmp, hidden=hidden, layers=layers, heads=heads, max_position=2048)
-        batches = [
-            make_groups(n_groups, group_size, vocab=256, seed=s, completion_len=(16, max_len), log_uniform=True)
-            for s in range(steps + 1)
-        ]
-        results = {}
-        for name, packed in (("padded", False), ("packed", True)):
+
+        def groups(n: int, seed: int):
+            return make_groups(n, group_size, vocab=256, seed=seed, completion_len=(16, max_len), log_uniform=True)
+
+        warmup = groups(min(2, n_groups), seed=10_000)  # allocator and first-call costs, kept out of the timing
+        batches = [groups(n_groups, seed=s) for s in range(steps)]
+        trainers = {}
+        for name, packed in layouts.items():
             cfg = TetherConfig.model_validate(
                 {
                     "model": {"path": str(model_dir)},
@@ -66,28 +76,32 @@ def main(argv: list[str] | None = None) -> int:
                         "train_batch_size": n_groups,
                         "use_remove_padding": packed,
                         "use_dynamic_bsz": packed,
-                        "micro_batch_size_per_gpu": 8,
+                        "micro_batch_size_per_gpu": micro_batch,
                         "max_token_len_per_gpu": budget,
                         "lr": 1e-5,
                     },
                 }
             )
             model = parallelize(load_model(cfg, device), cfg, device)
-            trainer = Trainer(cfg, model, device=device, ref_model=None)
-            trainer.train_step(batches[0], version=0)  # warm-up (allocator, kernels)
-            tokens, seconds = 0.0, 0.0
-            for batch in batches[1:]:
+            trainers[name] = Trainer(cfg, model, device=device, ref_model=None)
+            trainers[name].train_step(warmup, version=0)
+        tokens = dict.fromkeys(layouts, 0.0)
+        seconds = dict.fromkeys(layouts, 0.0)
+        for k, batch in enumerate(batches):
+            # Alternate which layout goes first so neither always runs right after the other.
+            for name in list(layouts)[:: 1 if k % 2 == 0 else -1]:
                 if cuda:
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                out = trainer.train_step(batch, version=0)
+                out = trainers[name].train_step(batch, version=0)
                 if cuda:
                     torch.cuda.synchronize()
-                seconds += time.perf_counter() - t0
-                tokens += out["learner/tokens"]
-            n_params = sum(p.numel() for p in model.parameters())
-            results[name] = (tokens / seconds, tokens, seconds, n_params)
-            del trainer, model
+                seconds[name] += time.perf_counter() - t0
+                tokens[name] += out["learner/tokens"]
+        n_params = sum(p.numel() for p in trainers["packed"].model.parameters())
+        results = {name: (tokens[name] / seconds[name], tokens[name], seconds[name], n_params) for name in layouts}
+        real_share = _padded_real_share(batches, micro_batch)
+        del trainers
         dist.destroy_process_group()
     peak = peak_flops(device)
     for name, (tps, tokens, seconds, n_params) in results.items():
@@ -97,8 +111,21 @@ def main(argv: list[str] | None = None) -> int:
             line += f"  MFU {100 * mfu:.1f}%"
         print(line)
     ratio = results["packed"][0] / results["padded"][0]
+    print(f"padded layout: {100 * real_share:.0f}% of its token slots are real tokens")
     print(f"packed/padded tokens/s ratio: {ratio:.2f}x (goal >= 1.5x) on {device.type}")
     return 0
+
+
+def _padded_real_share(batches: list, micro_batch: int) -> float:
+    """Real tokens / computed slots of the padded layout (one mini-batch per step, samples in order)."""
+    real = slots = 0
+    for batch in batches:
+        lengths = [t.prompt_token_ids.shape[0] + t.num_completion_tokens for g in batch for t in g.trajectories]
+        for k in range(0, len(lengths), micro_batch):
+            chunk = lengths[k : k + micro_batch]
+            real += sum(chunk)
+            slots += len(chunk) * max(chunk)
+    return real / slots
 
 
 if __name__ == "__main__":

@@ -6,11 +6,18 @@ A full update (prepare over gRPC → gather + pack → bucketed gloo broadcast �
 transformers model) of a ~100M-parameter Qwen2-style model with random weights (``--quick``: the tiny
 test model) to 1 and 2 standalone receiver processes, against two baselines on the same machine with
 the same number of receivers:
-  * ``raw``: one ``dist.broadcast`` of a single flat buffer of the same bytes (the ceiling);
+  * ``raw``: one ``dist.broadcast`` of a single flat buffer of the same bytes (the ceiling), reused
+    across rounds on both sides;
   * ``per-tensor``: one ``dist.broadcast`` per tensor followed by a ``barrier`` (what some peers do).
 Ratios are bytes/s of tether over bytes/s of a baseline (higher is better; goal vs raw >= 0.8). The
 ``transfer`` column is the gather + pack + broadcast stage alone (no gRPC, no load). Timings here are
 only comparable within one run.
+
+Like with like: every timing is taken on the sending process and ends when every receiver holds the
+bytes (tether: the Commit replies; raw: a barrier after the broadcast, since the root's broadcast can
+return while the last bytes are still in socket buffers). The first round of each (connections, group
+build, buffers touched for the first time) is reported apart (``first`` columns); the ratios are the
+median of the ``--repeats`` rounds after it (steady state).
 """
 
 from __future__ import annotations
@@ -43,11 +50,13 @@ def peer(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=args.init, rank=args.rank, world_size=args.world)
+    # Shapes first: the root's first timed broadcast must not wait for this peer to import transformers.
     shapes = _shapes(args.model)
     flat = torch.empty(sum(int(torch.tensor(s).prod()) if s else 1 for s in shapes), dtype=torch.float32)
+    dist.init_process_group("gloo", init_method=args.init, rank=args.rank, world_size=args.world)
     for _ in range(args.repeats + 1):
         dist.broadcast(flat, src=0)
+        dist.barrier()
     for _ in range(args.repeats + 1):
         for shape in shapes:
             dist.broadcast(torch.empty(shape, dtype=torch.float32), src=0)
@@ -65,8 +74,8 @@ def _shapes(model_dir: str) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for _, p in model.named_parameters()]
 
 
-def run_baselines(model, model_dir: Path, receivers: int, repeats: int) -> tuple[float, float]:
-    """Median seconds of (one flat broadcast, per-tensor broadcast + barrier) to ``receivers`` peers."""
+def run_baselines(model, model_dir: Path, receivers: int, repeats: int) -> tuple[float, float, float]:
+    """Seconds of the first flat broadcast, then medians of the later ones and of per-tensor + barrier."""
     import torch
     import torch.distributed as dist
 
@@ -98,11 +107,11 @@ def run_baselines(model, model_dir: Path, receivers: int, repeats: int) -> tuple
     params = [p.detach() for _, p in model.named_parameters()]
     flat = torch.cat([p.reshape(-1) for p in params])
     raw, per_tensor = [], []
-    for i in range(repeats + 1):  # the first round warms the connections up
+    for _ in range(repeats + 1):  # the first round warms the connections up (reported apart)
         start = time.perf_counter()
         dist.broadcast(flat, src=0)
-        if i:
-            raw.append(time.perf_counter() - start)
+        dist.barrier()  # ends when every peer has the bytes, as a tether update ends at their commit
+        raw.append(time.perf_counter() - start)
     for i in range(repeats + 1):
         start = time.perf_counter()
         for p in params:
@@ -113,11 +122,11 @@ def run_baselines(model, model_dir: Path, receivers: int, repeats: int) -> tuple
     dist.destroy_process_group()
     for p in peers:
         p.wait(60)
-    return statistics.median(raw), statistics.median(per_tensor)
+    return raw[0], statistics.median(raw[1:]), statistics.median(per_tensor)
 
 
-def run_tether(model, model_dir: Path, workdir: Path, receivers: int, repeats: int) -> tuple[float, float, float]:
-    """Median seconds of a full tether update and of its transfer stage; and the group build cost."""
+def run_tether(model, model_dir: Path, workdir: Path, receivers: int, repeats: int) -> dict[str, float]:
+    """Seconds of the first update; medians of later full updates and their stages; the group build."""
     import yaml
 
     from tether.config.loader import load_config
@@ -144,17 +153,21 @@ def run_tether(model, model_dir: Path, workdir: Path, receivers: int, repeats: i
     procs = [ReceiverProcess(config=config, model=model_dir, workdir=workdir, timeout_s=300) for _ in range(receivers)]
     sender = WeightSender(cfg, model=model, servers=[p.address for p in procs])
     try:
-        totals, transfers, rebuild = [], [], 0.0
+        rounds = []
         for version in range(1, repeats + 2):
             metrics = sender.publish(version)
             if metrics["weight_sync/reached"] != receivers:
                 raise RuntimeError(f"update {version} reached {metrics['weight_sync/reached']}: {sender.last_dropped}")
-            if version == 1:
-                rebuild = metrics["weight_sync/group_rebuild_seconds"]
-                continue
-            totals.append(metrics["weight_sync/seconds"])
-            transfers.append(metrics["weight_sync/transfer_seconds"])
-        return statistics.median(totals), statistics.median(transfers), rebuild
+            rounds.append(metrics)
+        steady = {
+            stage: statistics.median(m[f"weight_sync/{stage}"] for m in rounds[1:])
+            for stage in ("seconds", "prepare_seconds", "transfer_seconds", "commit_seconds")
+        }
+        return {
+            **steady,
+            "first": rounds[0]["weight_sync/seconds"],
+            "rebuild": rounds[0]["weight_sync/group_rebuild_seconds"],
+        }
     finally:
         sender.close()
         for p in procs:
@@ -193,18 +206,29 @@ def main(argv: list[str] | None = None) -> int:
         )
         header = (
             f"{'receivers':>9} {'tether MB/s':>12} {'transfer MB/s':>14} {'raw MB/s':>9} {'per-tensor MB/s':>16}"
-            f" {'vs raw':>7} {'transfer vs raw':>16} {'vs per-tensor':>14} {'group build s':>14}"
+            f" {'vs raw':>7} {'transfer vs raw':>16} {'vs per-tensor':>14} {'first tether s':>15}"
+            f" {'first raw s':>12} {'first vs raw':>13} {'group build s':>14}"
         )
-        rows = []
+        rows, stages = [], []
         for receivers in (1, 2):
-            total, transfer, rebuild = run_tether(model, model_dir, workdir, receivers, args.repeats)
-            raw, per_tensor = run_baselines(model, model_dir, receivers, args.repeats)
+            t = run_tether(model, model_dir, workdir, receivers, args.repeats)
+            raw_first, raw, per_tensor = run_baselines(model, model_dir, receivers, args.repeats)
             mb = nbytes / 1e6
+            total = t["seconds"]
             rows.append(
-                f"{receivers:>9} {mb / total:>12.1f} {mb / transfer:>14.1f} {mb / raw:>9.1f} "
-                f"{mb / per_tensor:>16.1f} {raw / total:>7.2f} {raw / transfer:>16.2f} "
-                f"{per_tensor / total:>14.2f} {rebuild:>14.3f}"
+                f"{receivers:>9} {mb / total:>12.1f} {mb / t['transfer_seconds']:>14.1f} {mb / raw:>9.1f} "
+                f"{mb / per_tensor:>16.1f} {raw / total:>7.2f} {raw / t['transfer_seconds']:>16.2f} "
+                f"{per_tensor / total:>14.2f} {t['first']:>15.3f} {raw_first:>12.3f} "
+                f"{raw_first / t['first']:>13.2f} {t['rebuild']:>14.3f}"
             )
+            stages.append(
+                f"{receivers:>9} {total:>8.3f} {t['prepare_seconds']:>10.3f} {t['transfer_seconds']:>11.3f} "
+                f"{t['commit_seconds']:>9.3f} {raw:>7.3f}"
+            )
+        # The ratio table comes last: tests/integration/test_weight_sync_bench.py reads the rows after it.
+        print("steady-state seconds per stage (median)")
+        print(f"{'n':>9} {'update':>8} {'prepare':>10} {'transfer':>11} {'commit':>9} {'raw':>7}")
+        print("\n".join(stages))
         print(header)
         print("\n".join(rows))
     return 0

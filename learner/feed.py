@@ -28,16 +28,19 @@ class Feed:
         self.queue = PromptQueue(client, self.keys, claim_idle_ms=cfg.buffer.claim_idle_ms)
         self.reader = TrajectoryReader(client, self.keys, cfg.buffer, consumer="learner-0")
         start = max(data_position, self.queue.issued())
-        self.source = PromptSource(cfg, start=start)
+        # No dataset: every group comes from custom environments driving episodes (nothing to feed).
+        self.source = PromptSource(cfg, start=start) if cfg.learner.data_path else None
         recovered = self.reader.recover()
         self.prompts_per_version = cfg.learner.train_batch_size * cfg.weight_sync.sync_every
         log.info("feed_started", dataset_position=start, recovered_groups=recovered)
 
     @property
     def position(self) -> int:
-        return self.source.position
+        return self.source.position if self.source is not None else 0
 
     def feed(self, version: int) -> int:
+        if self.source is None:
+            return 0
         return self.queue.feed(
             self.source,
             version=version,

@@ -14,6 +14,10 @@ ever built) and hands ``attention_mask=None`` to :func:`varlen_attention_forward
 from the flash-attention kwargs (``cu_seq_lens_q``) when the caller passes them — the learner computes
 them once per micro-batch in :func:`cu_seqlens_kwargs` — or else from where ``position_ids`` restart.
 
+It also does not depend on transformers noticing the packing: transformers only looks for restarting
+position ids when no KV cache is passed, and with one (``use_cache`` left on) sdpa silently attends
+across sequence boundaries; here the boundaries are explicit.
+
 Splitting uses one ``torch.split`` and one ``torch.cat`` so backward is one gather/scatter, not one
 full-size zero tensor per sequence. GQA runs through sdpa's ``enable_gqa`` (no ``repeat_kv`` copy).
 """

@@ -2,7 +2,8 @@
 
 ``tether up`` resolves the config (a fresh run id unless one is given), writes it to the run folder,
 starts the embedded Redis when ``buffer.redis_url`` is empty, then the learner under torchrun and
-``rollout.num_servers`` rollout servers, each logging to ``{run}/logs/<name>.log``. It returns when the
+``rollout.num_servers`` rollout servers, each logging JSON lines to ``{run}/logs/<name>.log`` (what
+they print goes to ``<name>.out``). It returns when the
 learner finishes; Ctrl-C or a crashed child stops everything (no orphan processes).
 """
 
@@ -116,11 +117,12 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
             cfg = cfg.model_copy(update={"buffer": cfg.buffer.model_copy(update={"redis_url": url})})
         save_resolved(cfg, paths.root)
         log.info("run_started", run_id=cfg.run.run_id, folder=str(paths.root))
-        supervisor.start(
-            ChildSpec("learner", learner_command(cfg, resume=resume), paths.log_file("learner"), primary=True)
-        )
+        env = thread_env(cfg.learner.nproc_per_node + cfg.rollout.num_servers)
+        learner = learner_command(cfg, resume=resume)
+        supervisor.start(ChildSpec("learner", learner, paths.console_file("learner"), env=env, primary=True))
         for i in range(cfg.rollout.num_servers):
-            supervisor.start(ChildSpec(f"rollout-{i}", rollout_command(cfg, index=i), paths.log_file(f"rollout-{i}")))
+            name = f"rollout-{i}"
+            supervisor.start(ChildSpec(name, rollout_command(cfg, index=i), paths.console_file(name), env=env))
         from tether.status import ProgressLine
 
         progress = ProgressLine(cfg)

@@ -59,6 +59,9 @@ class RunPaths:
     def log_file(self, process: str) -> Path:
         return self.logs / f"{process}.log"
 
+    def console_file(self, process: str) -> Path:
+        return self.logs / f"{process}.out"
+
     def make(self) -> RunPaths:
         for d in (self.root, self.logs, self.plots, self.checkpoints):
             d.mkdir(parents=True, exist_ok=True)

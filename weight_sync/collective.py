@@ -109,22 +109,28 @@ def close_group(pg: dist.ProcessGroup | None) -> None:
 class CollectiveReceive:
     """Receiver end: joins the group named in a plan and receives its buckets in a background thread.
 
-    Kept across updates so an unchanged membership (same epoch) reuses the group; updates are received
-    one at a time (a lock), so a late thread of an abandoned update never interleaves with the next.
+    Kept across updates so an unchanged membership (same epoch) reuses the group, and the receive
+    buffers too: they are allocated once per layout (bucket sizes and device) and received into again
+    by every later update with that layout, because fresh ones page-fault on every first touch while
+    the bytes arrive. The price is one model's worth of buffers held between updates rather than only
+    during one. Updates are received one at a time (``lock``, which a loader also holds while it reads
+    the buffers), so a late thread of an abandoned update never interleaves with the next, and a
+    receive never overwrites buffers that are still being loaded.
     """
 
     def __init__(self, *, device: torch.device | str = "cpu", go_timeout_s: float = 150.0) -> None:
         self.device = torch.device(device)
         self.go_timeout_s = go_timeout_s
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self._pg: dist.ProcessGroup | None = None
+        self._buffers: tuple[tuple, list[torch.Tensor]] | None = None
         self._epoch: tuple[str, int] | None = None
         self._store: dist.TCPStore | None = None
 
     def receive(self, plan, *, timeout_s: float) -> list[torch.Tensor]:
         """Blocking: wait for ``go``, (re)build the group if the epoch changed, receive every bucket."""
         src = plan.collective
-        with self._lock:
+        with self.lock:
             host, port = parse_init_method(src.init_method)
             if self._epoch != (src.init_method, src.group_epoch):
                 close_group(self._pg)
@@ -147,19 +153,25 @@ class CollectiveReceive:
                         host=host,
                     )
                     self._epoch = (src.init_method, src.group_epoch)
-                flats = []
-                for bucket in plan.buckets:
-                    flat = empty_bucket(bucket, self.device)
+                flats = self._buffers_for(plan)
+                for flat in flats:
                     broadcast(self._pg, flat, src=src.src_rank).wait()
-                    flats.append(flat)
                 return flats
             except Exception:
                 # A broken group is useless for the next update; the sender bumps the epoch anyway.
+                # Its buffers are dropped too: an aborted broadcast may still be writing into them.
                 close_group(self._pg)
-                self._pg, self._epoch = None, None
+                self._pg, self._epoch, self._buffers = None, None, None
                 raise
 
+    def _buffers_for(self, plan) -> list[torch.Tensor]:
+        key = (str(self.device), tuple(int(b.num_bytes) for b in plan.buckets))
+        if self._buffers is None or self._buffers[0] != key:
+            self._buffers = None  # a new layout: free the old buffers before allocating the new ones
+            self._buffers = (key, [empty_bucket(bucket, self.device) for bucket in plan.buckets])
+        return self._buffers[1]
+
     def close(self) -> None:
-        with self._lock:
+        with self.lock:
             close_group(self._pg)
-            self._pg, self._epoch, self._store = None, None, None
+            self._pg, self._epoch, self._store, self._buffers = None, None, None, None

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from tether.config import TetherConfig
 from tether.logs import get_logger
 from tether.v1 import control_pb2
-from weight_sync.buckets import bucket_ready_order, checksum, empty_bucket, pack_into, plan_layout
+from weight_sync.buckets import BufferPool, bucket_ready_order, checksum, pack_into, plan_layout
 from weight_sync.handshake import ControlClients, abort_all
 from weight_sync.snapshot import SnapshotWriter, snapshot_root
 from weight_sync.transport import make_sender_transport
@@ -73,6 +73,9 @@ class WeightSender:
         if rank == 0:
             self.snapshot_root = snapshot_root(cfg) if self._snapshots_possible() else None
             self.transport = make_sender_transport(self.wcfg, snapshot_root=self.snapshot_root)
+            # The layout is fixed for the sender's life, so its bucket buffers are too (see BufferPool).
+            capacity = max((b.num_bytes for b in self.layout.buckets), default=0)
+            self.pool = BufferPool(capacity, self.transport.device)
             # One token for both sides: the servers require rollout.auth_token, else TETHER_AUTH_TOKEN,
             # so the learner resolves it with the servers' own function rather than a second setting.
             from rollout_server.server import auth_token
@@ -123,6 +126,7 @@ class WeightSender:
         gather_s = time.perf_counter() - gather_start
         if snapshot is not None:
             snapshot.commit(keep=self.wcfg.keep_snapshots)
+        commit_start = time.perf_counter()
         reached = self._commit(ready, version, update_id, transfer_ok, snapshot is not None, dropped)
         seconds = time.perf_counter() - start
         self.last_dropped = dropped
@@ -134,6 +138,7 @@ class WeightSender:
             "weight_sync/dropped": float(len(dropped)),
             "weight_sync/prepare_seconds": prepare_s,
             "weight_sync/transfer_seconds": gather_s,
+            "weight_sync/commit_seconds": seconds - (commit_start - start),
             "weight_sync/group_rebuild_seconds": getattr(self.transport, "rebuild_seconds", 0.0),
             "weight_sync/snapshot": float(snapshot is not None),
         }
@@ -199,26 +204,31 @@ class WeightSender:
     @torch.no_grad()
     def _gather(self, *, sending: bool, snapshot: SnapshotWriter | None) -> None:
         open_buckets: dict[int, torch.Tensor] = {}
-        device = self.transport.device if self.rank == 0 else None
         checksums: dict[str, float] = {}
         for i, (name, param) in enumerate(self._params):
             full = param.full_tensor() if isinstance(param, DTensor) else param  # collective on all ranks
             if self.rank != 0:
                 continue
             meta = self.layout.tensors[i]
-            flat = open_buckets.get(meta.bucket)
-            if flat is None:
-                flat = open_buckets[meta.bucket] = empty_bucket(self.layout.buckets[meta.bucket], device)
-            pack_into(flat, meta, full.detach())
+            slot = open_buckets.get(meta.bucket)
+            if slot is None:
+                slot = open_buckets[meta.bucket] = self.pool.take()
+            # Straight from the gathered tensor into the warm bucket: the only copy on the sender.
+            pack_into(slot[: self.layout.buckets[meta.bucket].num_bytes], meta, full.detach())
             if self.wcfg.verify_checksums:
                 checksums[name] = checksum(full)
             del full
             if self._last_member[meta.bucket] == i:
-                flat = open_buckets.pop(meta.bucket)
-                if sending:  # leaves first: the snapshot write overlaps the broadcast
-                    self.transport.send(flat)
+                slot = open_buckets.pop(meta.bucket)
+                flat = slot[: self.layout.buckets[meta.bucket].num_bytes]
+                # Leaves first: the snapshot write overlaps the broadcast. A slot given back is taken
+                # again only when the next bucket opens, so the shard below still reads this bucket.
+                if sending:
+                    self.transport.send(flat, on_done=lambda slot=slot: self.pool.give(slot))
                 if snapshot is not None:
                     snapshot.write_bucket(meta.bucket, flat)
+                if not sending:
+                    self.pool.give(slot)
                 if self.on_bucket is not None:
                     self.on_bucket(meta.bucket, len(self.layout.buckets))
         self.last_checksums = checksums

@@ -102,8 +102,15 @@ class ModuleTarget(Target):
             raise RuntimeError(f"update {plan.update_id} was never started")
         flats = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
         members = Layout.from_plan(plan).bucket_members()
+        # Views into the received buckets, copied into the parameters once, here at commit.
         named = [pair for flat, group in zip(flats, members, strict=True) for pair in unpack(flat, group)]
-        return await asyncio.to_thread(load_into_module, self.engine.model, named, sums=self.sums)
+        return await asyncio.to_thread(self._load_received, named)
+
+    def _load_received(self, named: list[tuple[str, torch.Tensor]]) -> LoadResult:
+        # The buckets are reused by the next update's receive; holding the receive lock keeps a late
+        # receive (after a commit that timed out) from overwriting them mid-load.
+        with self.collective.lock:
+            return load_into_module(self.engine.model, named, sums=self.sums)
 
     async def load_snapshot(self, path: Path) -> LoadResult:
         return await asyncio.to_thread(load_into_module, self.engine.model, read_snapshot(path), sums=self.sums)

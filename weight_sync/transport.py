@@ -14,7 +14,7 @@ import abc
 import collections
 import datetime as _dt
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -44,8 +44,12 @@ class SenderTransport(abc.ABC):
         """The transfer to ``ready`` may start (False: it cannot; the caller aborts the update)."""
         return True
 
-    def send(self, flat: torch.Tensor) -> None:  # noqa: B027 - most transports do nothing per bucket
-        """Start sending the next bucket (buckets go in index order)."""
+    def send(self, flat: torch.Tensor, *, on_done: Callable[[], None] | None = None) -> None:
+        """Start sending the next bucket (buckets go in index order); ``on_done`` runs once the transport
+        no longer reads ``flat`` (at once for a transport that does not read it; never when the transfer
+        failed, so a buffer that a torn-down group might still touch is never reused)."""
+        if on_done is not None:
+            on_done()
 
     def finish(self) -> bool:
         """Wait for everything sent; False when the transfer failed or missed its deadline."""
@@ -73,6 +77,8 @@ class CollectiveSender(SenderTransport):
     """Rank 0 of a gloo / NCCL group with the receivers; keeps at most ``depth`` buckets in flight."""
 
     def __init__(self, tcfg: GlooTransport | NcclTransport, *, timeout_s: float, depth: int = 2) -> None:
+        if depth < 1:
+            raise ValueError("depth must be at least 1 (send() must not complete the bucket it was given)")
         check_backend(tcfg.type)
         self.name = tcfg.type
         self.device = torch.device("cuda", torch.cuda.current_device()) if tcfg.type == "nccl" else torch.device("cpu")
@@ -91,7 +97,7 @@ class CollectiveSender(SenderTransport):
         self.members: tuple[str, ...] = ()
         self.pg: dist.ProcessGroup | None = None
         self.rebuild_seconds = 0.0
-        self._inflight: collections.deque[tuple[dist.Work, torch.Tensor]] = collections.deque()
+        self._inflight: collections.deque[tuple[dist.Work, Callable[[], None] | None]] = collections.deque()
         self._failed: Exception | None = None
 
     def sources(self, servers: Sequence[str], *, version: int) -> dict[str, dict]:
@@ -148,20 +154,29 @@ class CollectiveSender(SenderTransport):
             self.rebuild_seconds = 0.0
         return True
 
-    def send(self, flat: torch.Tensor) -> None:
+    def send(self, flat: torch.Tensor, *, on_done: Callable[[], None] | None = None) -> None:
         if self._failed is not None or self.pg is None:
             return
         try:
-            self._inflight.append((broadcast(self.pg, flat, src=0), flat))
+            # The work handle keeps ``flat`` alive; the caller packs the next bucket while this one is
+            # on the wire (gloo and NCCL progress on their own threads / streams).
+            self._inflight.append((broadcast(self.pg, flat, src=0), on_done))
             while len(self._inflight) > self.depth:  # bounds the memory of buffers in flight
-                self._inflight.popleft()[0].wait()
+                self._wait_oldest()
         except Exception as exc:
             self._fail(exc)
+
+    def _wait_oldest(self) -> None:
+        work, on_done = self._inflight[0]
+        work.wait()
+        self._inflight.popleft()
+        if on_done is not None:
+            on_done()
 
     def finish(self) -> bool:
         try:
             while self._inflight and self._failed is None:
-                self._inflight.popleft()[0].wait()
+                self._wait_oldest()
         except Exception as exc:
             self._fail(exc)
         self._inflight.clear()

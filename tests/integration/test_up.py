@@ -85,7 +85,7 @@ def test_short_run_trains_acknowledges_and_cleans_up(tmp_path: Path, tiny_model_
         timeout=600,
     )
     run_dir = tmp_path / "runs" / run_id
-    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.out")))
     assert result.returncode == 0, result.stderr[-3000:] + logs
 
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("reward/mean") is not None]

@@ -105,7 +105,8 @@ class LearnerConfig(Section):
     """Write the final weights in Hugging Face format to ``{run}/final``."""
 
     data_path: str = ""
-    """JSONL of prompts (``{"prompt": ..., "answer": ...}``) or ``demo:<task>`` for a built-in task."""
+    """JSONL of prompts (``{"prompt": ..., "answer": ...}``) or ``demo:<task>`` for a built-in task. Empty:
+    the learner feeds no prompts and trains only on episodes that custom environments drive."""
 
     prompt_key: str = "prompt"
     """Field of a JSONL row holding the prompt."""

@@ -1,0 +1,95 @@
+"""The examples as users run them: separate processes whose trajectories the learner trains on.
+
+The guessing-game environment drives multi-turn episodes over gRPC against a rollout server started by
+``tether up``; the example reward service scores the prompts-stream groups of another run. In both, the
+learner must finish its steps on exactly that data and acknowledge it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tether.metrics import read_metrics
+from tether.redis_server import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def config(tmp_path: Path, model: Path, *, run_id: str, rollout: dict, learner: dict) -> Path:
+    cfg = {
+        "run": {"run_id": run_id, "output_dir": str(tmp_path / "runs"), "tensorboard": False},
+        "model": {"path": str(model)},
+        "rollout": {"engine": {"type": "transformers"}, "n": 4, "max_tokens": 8, "num_servers": 1, **rollout},
+        "learner": {"total_steps": 2, "train_batch_size": 2, "checkpoint_every": 0, "export_hf": False,
+                    "read_timeout_s": 300, "lr": 1e-3, **learner},
+    }  # fmt: skip
+    path = tmp_path / f"{run_id}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def finished_run(proc: subprocess.Popen[str], run_dir: Path) -> tuple[list[dict], dict]:
+    out, _ = proc.communicate(timeout=420)
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted((run_dir / "logs").glob("*.out")))
+    assert proc.returncode == 0, out[-2000:] + logs
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("data/groups") is not None]
+    return rows, json.loads((run_dir / "buffer_stats.json").read_text())
+
+
+def start_up(cfg: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "tether", "up", "--config", str(cfg)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_environment_episodes_are_trained_on(tmp_path: Path, tiny_model_dir: Path) -> None:
+    port = free_port()
+    # no prompt workers: every group the learner gets comes from the environment's episodes
+    cfg = config(tmp_path, tiny_model_dir, run_id="env", rollout={"port": port, "prompt_workers": 0}, learner={})
+    up = start_up(cfg)
+    try:
+        env = subprocess.run(
+            [sys.executable, "examples/guessing_game.py", "--server", f"127.0.0.1:{port}", "--tasks", "4",
+             "--group-size", "3", "--max-turns", "3"],
+            cwd=REPO, capture_output=True, text=True, timeout=420,
+        )  # fmt: skip
+        assert env.returncode == 0, env.stdout + env.stderr
+        assert "episodes 12, groups written 4" in env.stdout
+        rows, stats = finished_run(up, tmp_path / "runs" / "env")
+    finally:
+        up.kill()
+    assert [r["step"] for r in rows] == [1, 2]
+    assert sum(r["data/groups"] for r in rows) == 4 == stats["buffer/acknowledged"]
+    assert stats["buffer/produced"] == 4 and stats["buffer/dead_letter"] == 0
+
+
+@pytest.mark.slow
+def test_reward_service_scores_what_the_learner_trains_on(tmp_path: Path, tiny_model_dir: Path) -> None:
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(5) for b in range(5)))  # fmt: skip
+    port = free_port()
+    cmd = [sys.executable, "examples/reward_service.py", "--port", str(port), "--host", "127.0.0.1"]
+    service = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "listening" in service.stdout.readline()
+        cfg = config(
+            tmp_path, tiny_model_dir, run_id="rewarded",
+            rollout={"reward": {"type": "remote", "address": f"127.0.0.1:{port}"}, "prompt_workers": 2},
+            learner={"data_path": str(data)},
+        )  # fmt: skip
+        rows, stats = finished_run(start_up(cfg), tmp_path / "runs" / "rewarded")
+    finally:
+        service.send_signal(signal.SIGTERM)
+        out, _ = service.communicate(timeout=30)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert stats["buffer/acknowledged"] == 4 and stats["buffer/dead_letter"] == 0
+    scored = int(out.rsplit("after scoring ", 1)[1].split()[0])
+    assert scored >= 4 * 4  # every sample of the 4 trained groups went through the service
