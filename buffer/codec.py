@@ -107,6 +107,13 @@ def _int_or_none(raw: bytes | None) -> int | None:
         return None
 
 
+def _plausible_bytes(n: int | None) -> int:
+    # The byte count is subtracted from the buffer's byte counter in a Lua script, where a number of
+    # 1e17 or more becomes a float and HINCRBY fails — one hand-written entry would then make every
+    # read fail. No payload a writer stored can exceed MAX_DECODED_BYTES, so anything else counts as 0.
+    return n if n is not None and 0 <= n <= MAX_DECODED_BYTES else 0
+
+
 def read_header(fields: Mapping[bytes, bytes]) -> EntryHeader:
     """Never raises: an entry that was not written by :class:`~buffer.TrajectoryWriter` still gets a header
     (so it can be dead-lettered with its byte count) and fails later, in :func:`decode_payload`."""
@@ -115,7 +122,7 @@ def read_header(fields: Mapping[bytes, bytes]) -> EntryHeader:
         group_id=gid.decode("utf-8", "replace"),
         oldest_version=_int_or_none(fields.get(F_VERSION)),
         codec=fields.get(F_CODEC, b""),
-        nbytes=_int_or_none(fields.get(F_BYTES)) or 0,
+        nbytes=_plausible_bytes(_int_or_none(fields.get(F_BYTES))),
         nonce=fields.get(F_NONCE, b"").decode("ascii", "replace"),
     )
 

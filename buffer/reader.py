@@ -120,6 +120,21 @@ class TrajectoryReader:
         delivered more than ``max_deliveries`` times, go to the dead-letter stream with the reason.
         """
         out: list[BufferedGroup] = []
+        try:
+            self._read_into(out, n_groups, current_version=current_version, max_staleness=max_staleness,
+                            block_ms=block_ms)  # fmt: skip
+        except (redis.ConnectionError, redis.TimeoutError):
+            # Groups already taken are in self._inflight, where reclaiming skips them: hand them over now,
+            # or they would stay pending and unused for the life of this reader. The error shows again on
+            # the next call if Redis is still away.
+            if out:
+                return out
+            raise
+        return out
+
+    def _read_into(
+        self, out: list[BufferedGroup], n_groups: int, *, current_version: int, max_staleness: int, block_ms: int
+    ) -> None:
         deadline = time.monotonic() + block_ms / 1000
         while len(out) < n_groups:
             want = n_groups - len(out)
@@ -139,7 +154,6 @@ class TrajectoryReader:
             if not batch:
                 break
             out.extend(self._accept(batch, current_version=current_version, max_staleness=max_staleness))
-        return out
 
     def _accept(self, batch: list[Entry], *, current_version: int, max_staleness: int) -> list[BufferedGroup]:
         good: list[BufferedGroup] = []
@@ -179,7 +193,14 @@ class TrajectoryReader:
         self._consumed += len(good)
         if settle:
             reasons = settle.counters.get("dead_letter", [])
-            done = self._send(settle)
+            try:
+                done = self._send(settle)
+            except (redis.ConnectionError, redis.TimeoutError):
+                # Not handed out after all: leave them pending for the reclaim pass to find and deliver again.
+                for b in good:
+                    self._inflight.pop(b.entry_id, None)
+                self._consumed -= len(good)
+                raise
             if done.get("dead_letter"):
                 log.warning(
                     "buffer_dead_lettered", consumer=self.consumer, entries=done["dead_letter"], first_reason=reasons[0]
@@ -191,9 +212,13 @@ class TrajectoryReader:
         """Acknowledge (and delete) entries after the optimizer step that used them; repeats are no-ops."""
         settle = Settlement()
         for eid in entry_ids:
-            nbytes, lag, nonce = self._inflight.pop(eid, (None, None, ""))
+            nbytes, lag, nonce = self._inflight.get(eid, (None, None, ""))
             settle.add("acknowledged", eid, nbytes=nbytes, lag=lag, nonce=nonce)
         self._send(settle)
+        # Forgotten only once Redis has them: an ack that failed (Redis away) can be retried with the
+        # same sizes and payload keys.
+        for eid in entry_ids:
+            self._inflight.pop(eid, None)
 
     def _send(self, settle: Settlement) -> dict[str, int]:
         consumed, self._consumed = self._consumed, 0

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import redis
+
 from buffer import BufferedGroup, PromptQueue, RedisKeys, TrajectoryReader
 from learner.data import PromptSource
 from tether.config import TetherConfig
@@ -32,6 +34,7 @@ class Feed:
         self.source = PromptSource(cfg, start=start) if cfg.learner.data_path else None
         recovered = self.reader.recover()
         self.prompts_per_version = cfg.learner.train_batch_size * cfg.weight_sync.sync_every
+        self.redis_errors = 0  # Redis calls that failed even after the client's retries (logged each time)
         log.info("feed_started", dataset_position=start, recovered_groups=recovered)
 
     @property
@@ -55,10 +58,19 @@ class Feed:
         got: list[BufferedGroup] = []
         last_progress = time.monotonic()
         while len(got) < want:
-            self.feed(version)
-            new = self.reader.read(
-                want - len(got), current_version=version, max_staleness=self.cfg.algorithm.max_staleness, block_ms=500
-            )
+            try:
+                self.feed(version)
+                new = self.reader.read(
+                    want - len(got), current_version=version, max_staleness=self.cfg.algorithm.max_staleness,
+                    block_ms=500,
+                )  # fmt: skip
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                # Redis is down for longer than the client's own retries: wait for it (read_timeout_s still
+                # bounds the wait). What was read before stays pending on this consumer, so nothing is lost.
+                self.redis_errors += 1
+                log.warning("redis_unavailable", during="read", errors=self.redis_errors, error=str(e))
+                new = []
+                time.sleep(1.0)
             if new:
                 got.extend(new)
                 last_progress = time.monotonic()
@@ -70,4 +82,16 @@ class Feed:
         return got
 
     def ack(self, batch: list[BufferedGroup]) -> None:
-        self.reader.ack([b.entry_id for b in batch])
+        """Acknowledge after the optimizer step; over a Redis outage, keep trying for read_timeout_s
+        (a repeated ack is a no-op), then raise — the groups stay pending and a resumed run retrains them."""
+        deadline = time.monotonic() + (self.cfg.learner.read_timeout_s or 300)
+        while True:
+            try:
+                self.reader.ack([b.entry_id for b in batch])
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                self.redis_errors += 1
+                log.warning("redis_unavailable", during="ack", errors=self.redis_errors, error=str(e))
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)

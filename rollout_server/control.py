@@ -50,6 +50,23 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             self._receiver = load_receiver(self.state)
         return self._receiver
 
+    async def _stage(self, stage: str, request: Any) -> Any:
+        """One receiver stage, its refusals mapped to status codes the learner can act on.
+
+        The receiver says "bad plan" with ValueError and "not possible now" (unknown update, failed
+        transfer) with WeightSyncError; left to ``state.rpc`` both would read as INTERNAL, a server bug,
+        which fuzzing showed. Same mapping as ``weight_sync.standalone``.
+        """
+        receiver = self.receiver()
+        from weight_sync.receiver import WeightSyncError  # importable: receiver() just loaded it
+
+        try:
+            return await getattr(receiver, stage)(request)
+        except ValueError as e:
+            raise BadRequest(f"{stage}: {e}") from None
+        except WeightSyncError as e:
+            raise BadRequest(f"{stage}: {e}", grpc.StatusCode.FAILED_PRECONDITION) from None
+
     async def Pause(self, request: control_pb2.PauseRequest, context: grpc.aio.ServicerContext):
         async with self.state.rpc("Pause", context):
             policy = inflight_policy(request.inflight, self.state.cfg.weight_sync.inflight)
@@ -67,16 +84,16 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     async def PrepareWeightUpdate(self, request: control_pb2.WeightUpdatePlan, context: grpc.aio.ServicerContext):
         async with self.state.rpc("PrepareWeightUpdate", context):
-            return await self.receiver().prepare(request)
+            return await self._stage("prepare", request)
 
     async def CommitWeightUpdate(
         self, request: control_pb2.CommitWeightUpdateRequest, context: grpc.aio.ServicerContext
     ):
         async with self.state.rpc("CommitWeightUpdate", context):
-            response = await self.receiver().commit(request)
+            response = await self._stage("commit", request)
             self.state.metrics.policy_version.set(self.state.engine.policy_version)
             return response
 
     async def AbortWeightUpdate(self, request: control_pb2.AbortWeightUpdateRequest, context: grpc.aio.ServicerContext):
         async with self.state.rpc("AbortWeightUpdate", context):
-            return await self.receiver().abort(request)
+            return await self._stage("abort", request)

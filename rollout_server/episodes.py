@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -167,6 +168,14 @@ class EpisodeStore:
             )
 
     async def close(self, req: rollout_pb2.CloseEpisodeRequest) -> rollout_pb2.CloseEpisodeResponse:
+        # A NaN or infinite reward would poison every advantage of its group in the learner; refuse it
+        # before anything changes, so the environment can retry the close with a finite one.
+        for name, value in [
+            ("reward", req.reward),
+            *((f"reward_components[{k!r}]", v) for k, v in req.reward_components.items()),
+        ]:
+            if not math.isfinite(value):
+                raise BadRequest(f"close: {name} is {value}; rewards must be finite")
         ep = self._get(req.episode_id)
         async with ep.lock:
             if not any(ep.mask):

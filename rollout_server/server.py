@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tether.grpc_parse import ParseGuard
 from tether.v1 import control_pb2, control_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 SERVICE_NAMES = (
@@ -89,7 +90,8 @@ def build_grpc_server(
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A started-ready (not yet started) server, the bound port and its health servicer."""
     server = grpc.aio.server(
-        interceptors=[BearerAuth(token)] if token else None,
+        # Auth first: an unauthenticated caller learns nothing, not even whether its body parsed.
+        interceptors=[*([BearerAuth(token)] if token else []), ParseGuard()],
         options=[*message_options(max_message_bytes), ("grpc.so_reuseport", 0)],
     )
     rollout_pb2_grpc.add_RolloutServicer_to_server(rollout, server)

@@ -15,6 +15,7 @@ import asyncio
 import time
 
 import numpy as np
+import redis
 
 from rollout_server.engines.base import SamplingSpec
 from rollout_server.rewards import RewardError, ScoreItem, build_reward
@@ -42,6 +43,7 @@ class PromptWorker:
         self.sink = state.sink
         self.reward = build_reward(state.cfg)
         self.groups_done = 0
+        self.redis_errors = 0  # prompts abandoned to a Redis outage (each logged; the prompt is reclaimed)
 
     async def run(self) -> None:
         """Run the worker coroutines until the server drains; returns when all have finished."""
@@ -64,7 +66,17 @@ class PromptWorker:
                 await asyncio.sleep(1.0)
                 continue
             for entry_id, prompt in entries:  # taken before a drain began: still finish it
-                await self._process(entry_id, prompt)
+                try:
+                    await self._process(entry_id, prompt)
+                except redis.RedisError as e:
+                    # Redis went away mid-prompt for longer than the client's retries. The prompt is
+                    # still pending in the prompts stream and is reclaimed after claim_idle_ms (by this
+                    # server or another); its group id is derived from the entry id, so a group that
+                    # did get written is not duplicated. Keep the worker, not the prompt.
+                    self.redis_errors += 1
+                    log.warning("prompt_failed_redis", worker=index, entry_id=entry_id, errors=self.redis_errors,
+                                error=str(e))  # fmt: skip
+                    await asyncio.sleep(1.0)
 
     async def _process(self, entry_id: str, prompt: trajectory_pb2.Prompt) -> None:
         s, e, rc = self.state, self.state.engine, self.state.cfg.rollout

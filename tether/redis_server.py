@@ -23,6 +23,8 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from tether.logs import get_logger
 
@@ -202,10 +204,25 @@ class EmbeddedRedis:
         self.stop()
 
 
+# A command that meets a dropped or refused connection is retried with exponential backoff
+# (0.1 s doubling to 2 s, 12 retries: about 17 s in all), so a Redis restart of a few seconds is ridden
+# through inside redis-py and callers never see it. Longer outages raise; the long-running loops (the
+# learner's feed, the rollout server's prompt worker) catch that, log and count it, and try again.
+# Retrying is safe for what tether sends: puts are idempotent by group id, settles only count entries
+# XACK still finds pending, reads are reads. The one exception is a prompts-feed transaction whose EXEC
+# ran but whose reply was lost: retried, those prompts are issued twice (more data, never less).
+REDIS_RETRIES = 12
+
+
+def redis_retry() -> Retry:
+    return Retry(ExponentialBackoff(cap=2.0, base=0.1), REDIS_RETRIES)
+
+
 def connect_redis(url: str, *, timeout_s: float = 5.0, decode_responses: bool = False) -> redis.Redis:
     """A client for ``url`` that has answered PING, or :class:`RedisUnavailable` saying what to do.
 
     Password and ACL user come from the URL (``redis://user:pass@host:6379/0``); ``rediss://`` is TLS.
+    Commands retry over a short outage (see ``REDIS_RETRIES``); the first PING does not wait that long.
     """
     try:
         client = redis.Redis.from_url(
@@ -214,8 +231,10 @@ def connect_redis(url: str, *, timeout_s: float = 5.0, decode_responses: bool = 
             socket_timeout=timeout_s * 6,
             decode_responses=decode_responses,
             health_check_interval=30,
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         )
-        client.ping()
+        client.ping()  # with redis-py's default retries: a wrong URL fails in seconds, not in 17
+        client.set_retry(redis_retry())
         return client
     except redis.AuthenticationError as e:
         raise RedisUnavailable(

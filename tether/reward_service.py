@@ -33,6 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tether.grpc_parse import ParseGuard
 from tether.v1 import reward_pb2, reward_pb2_grpc
 
 ScoreResult = float | tuple[float, dict[str, float]]
@@ -133,7 +134,8 @@ async def start_server(
     max_message_bytes: int = 64 * 1024 * 1024,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """Start the server (health SERVING once bound); returns ``(server, health, bound_port)``."""
-    interceptors = [BearerTokenInterceptor(token)] if token else []
+    # ParseGuard: a body that is not protobuf is the caller's error (INVALID_ARGUMENT), not UNKNOWN.
+    interceptors = [*([BearerTokenInterceptor(token)] if token else []), ParseGuard()]
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),

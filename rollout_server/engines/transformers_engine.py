@@ -233,10 +233,10 @@ class TransformersEngine(Engine):
         state: dict[str, Any] = {"cache": None, "ids": ids, "mask": mask, "pos": (mask.cumsum(-1) - 1).clamp(min=0)}
         self._running_rows += len(rows)
         try:
-            logits = await self._forward(state)
+            logits, version = await self._forward(state)
             while True:
-                await self._gate()
-                version = self.policy_version
+                # Sampling reads only these logits, so the token is tagged with the version of the forward
+                # pass that produced them, even when a weight update landed since (keep mode).
                 tokens, logps = await self._threaded(lambda lg=logits: _sample(lg, params))
                 self._emit(rows, tokens, logps, version)
                 if all(r.done for r in rows):
@@ -244,7 +244,7 @@ class TransformersEngine(Engine):
                 state["ids"] = torch.tensor(tokens, device=self.device)[:, None]
                 state["mask"] = torch.cat([state["mask"], torch.ones_like(state["mask"][:, :1])], dim=-1)
                 state["pos"] = state["pos"][:, -1:] + 1
-                logits = await self._forward(state)
+                logits, version = await self._forward(state)
         finally:
             self._running_rows -= len(rows)
             for req in batch:
@@ -254,9 +254,13 @@ class TransformersEngine(Engine):
         while not self._step_gate.is_set():  # re-check: a pause may land between set() and our wake-up
             await self._step_gate.wait()
 
-    async def _forward(self, state: dict[str, Any]) -> Any:
+    async def _forward(self, state: dict[str, Any]) -> tuple[Any, int]:
+        """Logits of the next token, and the policy version of the weights that computed them."""
         await self._gate()
-        return await self._threaded(lambda: self._forward_sync(state))
+        # A weight load waits for a running forward (pause waits on _forward_idle), so the version read
+        # here is the one the whole forward runs with.
+        version = self.policy_version
+        return await self._threaded(lambda: self._forward_sync(state)), version
 
     async def _threaded(self, fn: Any) -> Any:
         self._forward_idle.clear()

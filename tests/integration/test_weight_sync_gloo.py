@@ -41,6 +41,7 @@ class Fleet:
         self.thread.start()
         self.servers: list[grpc.aio.Server] = []
         self.engines: list[ModelEngine] = []
+        self.receivers: list[WeightReceiver] = []
 
     def add(self, model_dir: Path, cfg: TetherConfig) -> str:
         async def start() -> str:
@@ -53,6 +54,7 @@ class Fleet:
             await server.start()
             self.servers.append(server)
             self.engines.append(engine)
+            self.receivers.append(receiver)
             return f"127.0.0.1:{port}"
 
         return asyncio.run_coroutine_threadsafe(start(), self.loop).result(60)
@@ -62,6 +64,11 @@ class Fleet:
             asyncio.run_coroutine_threadsafe(server.stop(None), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+def receive_buffers(receiver: WeightReceiver) -> list[int]:
+    """Addresses of a receiver's cached receive buffers (the same ones when they were reused)."""
+    return [flat.data_ptr() for flat in receiver.target.collective._buffers[1]]
 
 
 @pytest.fixture
@@ -108,12 +115,17 @@ def test_gloo_update_reaches_every_receiver(
                 torch.testing.assert_close(param, expected[name], rtol=0, atol=0)
             assert greedy(engine.model) == greedy(learner)
 
-        # Same membership: the group is reused (no rebuild), and a second version lands too.
+        # Same membership: the group is reused (no rebuild), and a second version lands too, packed and
+        # received into the buffers of the first (no new allocation on either side).
+        slots = sender.pool.allocated
+        received = [receive_buffers(r) for r in fleet.receivers]
         with torch.no_grad():
             for p in learner.parameters():
                 p.mul_(1.5)
         metrics = sender.publish(2)
         assert metrics["weight_sync/reached"] == 2 and metrics["weight_sync/group_rebuild_seconds"] == 0
+        assert sender.pool.allocated == slots
+        assert [receive_buffers(r) for r in fleet.receivers] == received
         for engine in fleet.engines:
             assert engine.policy_version == 2
             torch.testing.assert_close(engine.model.lm_head.weight, learner.lm_head.weight, rtol=0, atol=0)

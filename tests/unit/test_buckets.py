@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 
 from tether.v1 import control_pb2
-from weight_sync.buckets import Layout, bucket_ready_order, empty_bucket, pack_into, plan_layout, unpack
+from weight_sync.buckets import (
+    BufferPool,
+    Layout,
+    bucket_ready_order,
+    empty_bucket,
+    pack_into,
+    plan_layout,
+    unpack,
+)
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -74,3 +82,12 @@ def test_buckets_are_numbered_in_the_order_they_fill() -> None:
     assert [m.bucket for m in layout.tensors] == [1, 0, 0, 1]
     last = bucket_ready_order(layout)
     assert last == sorted(last) == [2, 3]
+
+
+def test_buffer_pool_reuses_slots_it_was_given_back() -> None:
+    pool = BufferPool(64)
+    a, b = pool.take(), pool.take()
+    assert pool.allocated == 2 and a.numel() == b.numel() == 64
+    pool.give(a)
+    assert pool.take().data_ptr() == a.data_ptr()  # the warm slot, not a fresh allocation
+    assert pool.allocated == 2

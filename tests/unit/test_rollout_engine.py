@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -79,6 +82,36 @@ async def test_pause_keep_freezes_and_tokens_carry_the_new_version(engine) -> No
     await engine.resume()
     (s,) = await task
     assert s.versions[0] == 0 and s.versions[-1] == 1 and sorted(s.versions) == s.versions
+
+
+async def test_keep_tags_each_token_with_the_weights_that_produced_it(engine) -> None:
+    """New weights with a zero (tied) output embedding give exactly uniform logits, so every token tagged
+    with the new version must have log-prob -log V; a token sampled from logits of the old weights but
+    tagged new would not."""
+    forward, in_forward = engine._forward_sync, threading.Event()
+
+    def slow_forward(state):  # the real forward, made slow so the pause lands inside one
+        in_forward.set()
+        time.sleep(0.05)
+        return forward(state)
+
+    engine._forward_sync = slow_forward
+    ids = engine.tokenizer("w")["input_ids"]
+    task = asyncio.create_task(engine.generate(ids, SamplingSpec(n=1, max_tokens=40)))
+    for _ in range(3):  # past the prefill, into a decode step
+        in_forward.clear()
+        await asyncio.to_thread(in_forward.wait)
+    await engine.pause("keep")
+    with torch.no_grad():
+        engine.model.get_output_embeddings().weight.zero_()
+    engine.policy_version = 1
+    await engine.resume()
+    (s,) = await task
+    uniform = -math.log(engine.model.config.vocab_size)
+    assert 0 in s.versions and 1 in s.versions
+    for version, logprob in zip(s.versions, s.logprobs, strict=True):
+        if version == 1:
+            assert logprob == pytest.approx(uniform, abs=1e-5)
 
 
 async def test_pause_drain_waits_for_in_flight_and_holds_new_work(engine) -> None:
