@@ -27,6 +27,9 @@ log = get_logger(__name__)
 
 _F_PROMPT = b"p"
 _ISSUED = "prompts_issued"
+# Counters of prompts (or their groups) that ended without training data; see ``feed``.
+# ``rollout_dead_letter``: groups a rollout server dead-lettered (reward failed, bad prompt).
+_WASTED = ("dropped_stale", "dead_letter", "prompts_dead_letter", "rollout_dead_letter")
 
 
 def _sid(raw: bytes | str) -> str:
@@ -60,9 +63,16 @@ class PromptQueue:
     def feed(self, prompts: Iterator[Prompt], *, version: int, prompts_per_version: int, max_staleness: int) -> int:
         """Issue as many prompts from ``prompts`` as admission allows now (never pulling more from the
         iterator than it issues); how many were issued. Only one feeder per run (learner rank 0)."""
+        # A prompt whose group was dropped as stale or dead-lettered will never be trained on, yet it
+        # was counted as issued: left there, every such loss would shrink the prompts in flight for good,
+        # and after (max_staleness + 1)·B of them the learner would wait forever for data. So those
+        # prompts are given back to admission (the bound on prompts outstanding stays the same).
+        raw = self.client.hmget(self.keys.counters, _ISSUED, *_WASTED)
+        issued, wasted = int(raw[0] or 0), sum(int(v or 0) for v in raw[1:])
         allowed = admission_allowance(
-            self.issued(), version=version, prompts_per_version=prompts_per_version, max_staleness=max_staleness
-        )
+            max(0, issued - wasted), version=version, prompts_per_version=prompts_per_version,
+            max_staleness=max_staleness,
+        )  # fmt: skip
         batch = list(itertools.islice(prompts, allowed))
         if not batch:
             return 0

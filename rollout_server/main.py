@@ -88,7 +88,7 @@ async def serve(cfg: TetherConfig, *, port: int, server_id: str, stop: asyncio.E
     tasks = [asyncio.create_task(episodes.sweep_forever(), name="episode-sweeper")]
     worker_task = None
     if state.sink is not None:
-        tasks.append(asyncio.create_task(_heartbeat_forever(state), name="heartbeat"))
+        tasks.append(asyncio.create_task(_heartbeat_forever(state, control), name="heartbeat"))
         if rc.prompt_workers > 0:
             from rollout_server.worker import PromptWorker
 
@@ -161,7 +161,7 @@ async def _catch_up(control) -> None:  # type: ignore[no-untyped-def]
         log.warning("catch_up_failed", error=str(e))
 
 
-async def _heartbeat_forever(state) -> None:  # type: ignore[no-untyped-def]
+async def _heartbeat_forever(state, control) -> None:  # type: ignore[no-untyped-def]
     while True:
         try:
             await state.sink.heartbeat(
@@ -170,6 +170,13 @@ async def _heartbeat_forever(state) -> None:  # type: ignore[no-untyped-def]
                 policy_version=state.engine.policy_version,
                 extra={"running": state.engine.running_requests, "draining": int(state.draining)},
             )
+            # A server the learner's update missed (it was not in the registry then — e.g. its entry had
+            # expired over a Redis outage — or it missed a deadline) would otherwise stay behind until the
+            # next update reaches it, producing groups the learner drops as stale; if the learner is
+            # waiting for exactly those groups, that next update never comes. So whenever the published
+            # version is ahead of ours, load the newest snapshot (catch_up is a no-op without one).
+            if await state.sink.published_version() > state.engine.policy_version:
+                await _catch_up(control)
         except Exception as e:
             log.warning("heartbeat_failed", error=str(e))
         await asyncio.sleep(state.cfg.rollout.heartbeat_s)

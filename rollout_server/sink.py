@@ -64,7 +64,16 @@ class BufferSink:
             await asyncio.to_thread(public, self.client, self.keys, source=self.source, reason=reason, data=data)
             return
         fields = {"source": self.source, "reason": reason[:500], "data": data, "time": str(time.time())}
-        await asyncio.to_thread(self.client.xadd, self.keys.dead_letter, fields, maxlen=1000, approximate=True)
+
+        def write() -> None:
+            # The counter gives the prompt's admission slot back to the learner (buffer.prompts.feed):
+            # a group that will never arrive must not hold one forever.
+            pipe = self.client.pipeline(transaction=True)
+            pipe.xadd(self.keys.dead_letter, fields, maxlen=1000, approximate=True)
+            pipe.hincrby(self.keys.counters, "rollout_dead_letter", 1)
+            pipe.execute()
+
+        await asyncio.to_thread(write)
 
     @property
     def source(self) -> str:
@@ -75,6 +84,12 @@ class BufferSink:
 
         info = ServerInfo(self.server_id, address=address, engine=engine, policy_version=policy_version, extra=extra)
         await asyncio.to_thread(self.registry.heartbeat, info, ttl_s=3 * self.cfg.rollout.heartbeat_s)
+
+    async def published_version(self) -> int:
+        """The policy version the learner last published (0 before the first)."""
+        from buffer import read_version
+
+        return await asyncio.to_thread(read_version, self.client, self.keys)
 
     async def remove(self) -> None:
         await asyncio.to_thread(self.registry.remove, self.server_id)

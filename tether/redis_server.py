@@ -237,8 +237,16 @@ def connect_redis(url: str, *, timeout_s: float = 5.0, decode_responses: bool = 
         client.set_retry(redis_retry())
         return client
     except redis.AuthenticationError as e:
+        if urlsplit(url).password is None:  # redis-py's words for this case talk about HELLO, not passwords
+            raise RedisUnavailable(
+                f"buffer.redis_url: {redacted(url)} refused the credentials (none given): it requires a password "
+                "— put it in the URL: "
+                "redis://:PASSWORD@host:port/0 (or redis://USER:PASSWORD@... for an ACL user)"
+            ) from None
+        reason = " ".join(str(e).split())  # one line: the message goes into logs and error summaries
         raise RedisUnavailable(
-            f"buffer.redis_url: {redacted(url)} refused the credentials ({e}) — check the user and password in the URL"
+            f"buffer.redis_url: {redacted(url)} refused the credentials ({reason}) — check the user and password "
+            "in the URL"
         ) from None
     except redis.ResponseError as e:
         if "NOAUTH" in str(e) or "WRONGPASS" in str(e):

@@ -179,7 +179,21 @@ class Run:
         return proc
 
     def logs(self) -> str:
-        return "\n".join(p.tail() for p in self.procs)
+        return "\n".join(p.tail() for p in self.procs) + "\n" + self.buffer_dump()
+
+    def buffer_dump(self) -> str:
+        """The buffer's books and consumer groups, for failure messages (never raises)."""
+        try:
+            client = self.client()
+            try:
+                lines = [f"stats: {buffer_stats(client, self.keys)}", f"version: {read_version(client, self.keys)}"]
+                for stream in (self.keys.prompts, self.keys.trajectories):
+                    lines += [f"{stream} group: {g}" for g in client.xinfo_groups(stream)]
+                return "\n".join(lines)
+            finally:
+                client.close()
+        except Exception as e:  # diagnostics only: Redis may be the thing that is down
+            return f"(no buffer dump: {e!r})"
 
     def steps(self) -> list[int]:
         """The learner steps logged so far, in the order they were logged (a resumed run repeats some)."""

@@ -30,7 +30,7 @@ def test_redis_restarted_from_aof_the_run_reconnects_and_finishes(tmp_path: Path
     url = redis.start()
     run_id = "fault-redis"
     cfg = write_config(tmp_path, tiny_model_dir, run_id=run_id, redis_url=url, steps=STEPS,
-                       learner={"read_timeout_s": 90})  # fmt: skip
+                       learner={"read_timeout_s": 30})  # fmt: skip
     run = Run(tmp_path, cfg, run_id, url)
     try:
         learner = run.learner()

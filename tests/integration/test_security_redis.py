@@ -43,7 +43,7 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 
 def test_buffer_runs_through_an_acl_user(secured: int) -> None:
     client = connect_redis(f"redis://tether:{USER_PW}@127.0.0.1:{secured}/0")
-    assert client.acl_whoami() == b"tether"
+    assert client.acl_whoami() in ("tether", b"tether")
     keys, cfg = RedisKeys("acl-run"), BufferConfig(claim_idle_ms=200, put_timeout_s=0.3)
     writer, reader = TrajectoryWriter(client, keys, cfg), TrajectoryReader(client, keys, cfg)
     ids = [writer.put(make_group(seed=i)) for i in range(3)]

@@ -84,9 +84,8 @@ def test_packed_gradients_equal_the_sum_over_sequences_alone() -> None:
     ids = torch.randint(0, 64, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     packed, alone = _model(VARLEN), _model("sdpa")
-    packed(input_ids=ids, position_ids=pos, use_cache=False, **cu_seqlens_kwargs(lengths)).logits.float().logsumexp(
-        -1
-    ).sum().backward()
+    out = packed(input_ids=ids, position_ids=pos, use_cache=False, **cu_seqlens_kwargs(lengths))
+    out.logits.float().logsumexp(-1).sum().backward()
     for seq in ids[0].split(lengths):
         alone(input_ids=seq[None]).logits.float().logsumexp(-1).sum().backward()
     for (name, p), q in zip(packed.named_parameters(), alone.parameters(), strict=True):
