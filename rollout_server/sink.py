@@ -1,15 +1,21 @@
 """The rollout server's side of the Redis buffer: prompts in, groups out, heartbeats, dead letters.
 
 One small adapter over ``buffer``'s public API (docs/ARCHITECTURE.md) so the rest of the server never
-touches Redis directly. redis-py is synchronous, so every call runs in a worker thread and the gRPC
-event loop never blocks on a slow or backpressured Redis. A server started without ``run.run_id`` or
+touches Redis directly. redis-py is synchronous, so every call runs in a worker thread of the sink's own
+pool and the gRPC event loop never blocks on a slow or backpressured Redis. The pool is sized for every
+prompt worker blocking on a read at once plus the heartbeat and writes, and kept apart from asyncio's
+default pool so idle blocking reads can never starve the engine's threads. A server started without ``run.run_id`` or
 a reachable ``buffer.redis_url`` has no sink: it serves Generate only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from tether.config import TetherConfig
 from tether.logs import get_logger
@@ -17,6 +23,7 @@ from tether.trajectory import GroupData
 from tether.v1 import trajectory_pb2
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 
 class BufferSink:
@@ -32,12 +39,16 @@ class BufferSink:
         self.prompts = PromptQueue(self.client, self.keys, claim_idle_ms=cfg.buffer.claim_idle_ms)
         self.writer = TrajectoryWriter(self.client, self.keys, cfg.buffer)
         self.registry = ServerRegistry(self.client, self.keys)
+        self._pool = ThreadPoolExecutor(max_workers=cfg.rollout.prompt_workers + 4, thread_name_prefix="redis")
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     async def read_prompts(self, *, count: int = 1, block_ms: int = 1000) -> list[tuple[str, trajectory_pb2.Prompt]]:
         import redis
 
         try:
-            return await asyncio.to_thread(self.prompts.read, self.server_id, count=count, block_ms=block_ms)
+            return await self._call(self.prompts.read, self.server_id, count=count, block_ms=block_ms)
         except redis.ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
@@ -48,11 +59,11 @@ class BufferSink:
             return []
 
     async def ack(self, entry_ids: list[str]) -> None:
-        await asyncio.to_thread(self.prompts.ack, entry_ids)
+        await self._call(self.prompts.ack, entry_ids)
 
     async def put(self, group: GroupData) -> bool:
         """Write one group; False when the buffer already holds its group_id (a retried prompt)."""
-        entry = await asyncio.to_thread(self.writer.put, group, timeout_s=self.cfg.buffer.put_timeout_s)
+        entry = await self._call(self.writer.put, group, timeout_s=self.cfg.buffer.put_timeout_s)
         return entry is not None
 
     async def dead_letter(self, *, reason: str, data: bytes) -> None:
@@ -61,7 +72,7 @@ class BufferSink:
 
         public = getattr(buffer, "dead_letter", None)
         if callable(public):  # prefer the buffer's own call when it has one
-            await asyncio.to_thread(public, self.client, self.keys, source=self.source, reason=reason, data=data)
+            await self._call(public, self.client, self.keys, source=self.source, reason=reason, data=data)
             return
         fields = {"source": self.source, "reason": reason[:500], "data": data, "time": str(time.time())}
 
@@ -73,7 +84,7 @@ class BufferSink:
             pipe.hincrby(self.keys.counters, "rollout_dead_letter", 1)
             pipe.execute()
 
-        await asyncio.to_thread(write)
+        await self._call(write)
 
     @property
     def source(self) -> str:
@@ -83,16 +94,17 @@ class BufferSink:
         from buffer import ServerInfo
 
         info = ServerInfo(self.server_id, address=address, engine=engine, policy_version=policy_version, extra=extra)
-        await asyncio.to_thread(self.registry.heartbeat, info, ttl_s=3 * self.cfg.rollout.heartbeat_s)
+        await self._call(self.registry.heartbeat, info, ttl_s=3 * self.cfg.rollout.heartbeat_s)
 
     async def published_version(self) -> int:
         """The policy version the learner last published (0 before the first)."""
         from buffer import read_version
 
-        return await asyncio.to_thread(read_version, self.client, self.keys)
+        return await self._call(read_version, self.client, self.keys)
 
     async def remove(self) -> None:
-        await asyncio.to_thread(self.registry.remove, self.server_id)
+        await self._call(self.registry.remove, self.server_id)
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()

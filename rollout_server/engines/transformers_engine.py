@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -71,6 +72,9 @@ class TransformersEngine(Engine):
         self._loop_task: asyncio.Task[None] | None = None
         self._running_rows = 0
         self._eos: set[int] = set()
+        # The model's own thread: forward passes never wait behind other blocking work (Redis reads,
+        # weight receives) in asyncio's small shared default pool, and one model runs one pass at a time.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
     async def start(self) -> None:
         self.model, self.tokenizer, self.device = await asyncio.to_thread(self._load)
@@ -114,6 +118,7 @@ class TransformersEngine(Engine):
             req.out.put_nowait(None)
         self._requests.clear()
         self.model = None
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     # --- admission -------------------------------------------------------------------------------
     async def stream(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
@@ -265,7 +270,7 @@ class TransformersEngine(Engine):
     async def _threaded(self, fn: Any) -> Any:
         self._forward_idle.clear()
         try:
-            return await asyncio.to_thread(fn)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
         finally:
             self._forward_idle.set()
 
