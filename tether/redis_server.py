@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import importlib.util
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -27,10 +25,9 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from tether.logs import get_logger
+from tether.supervisor import die_with_parent
 
 log = get_logger(__name__)
-
-_PR_SET_PDEATHSIG = 1
 
 
 class RedisUnavailable(RuntimeError):
@@ -66,11 +63,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def redacted(url: str) -> str:
@@ -141,7 +133,7 @@ class EmbeddedRedis:
             if self.password:
                 args += ["--requirepass", self.password]
             self.process = subprocess.Popen(
-                args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent
+                args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent
             )
             if self._wait_ready():
                 atexit.register(self.stop)

@@ -39,9 +39,14 @@ class Child:
     proc: subprocess.Popen[bytes]
 
 
-def _child_setup() -> None:  # between fork and exec
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """For ``preexec_fn`` (runs in the child between fork and exec): the kernel sends ``sig`` to the child
+    when its parent dies, however it dies. Linux only; elsewhere a no-op."""
     with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
 
 
 class ChildFailed(RuntimeError):
@@ -74,7 +79,7 @@ class Supervisor:
             stdin=subprocess.DEVNULL,
             env=env,
             start_new_session=True,
-            preexec_fn=_child_setup,
+            preexec_fn=die_with_parent,
         )
         out.close()
         child = Child(spec, proc)

@@ -10,7 +10,6 @@ group (a SIGKILL of the group is what a crashed host looks like) and dies with t
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -25,14 +24,14 @@ import yaml
 
 from buffer import RedisKeys, ServerRegistry, buffer_stats, read_version
 from tether.metrics import read_metrics
+from tether.supervisor import die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _child_setup() -> None:  # between fork and exec: own process group, and die with the test
     os.setsid()
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    die_with_parent(signal.SIGKILL)
 
 
 def write_config(

@@ -14,9 +14,9 @@ from learner.varlen_attention import (
     VARLEN,
     cu_seqlens_from_position_ids,
     cu_seqlens_kwargs,
-    register,
     varlen_sdpa,
 )
+from tests.helpers import tiny_qwen2
 from tether.config import TetherConfig
 
 
@@ -62,21 +62,7 @@ def test_boundaries_from_position_ids_match_the_lengths() -> None:
 
 
 def _model(attn: str) -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    register()
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        attn_implementation=attn,
-    )
-    return Qwen2ForCausalLM(cfg)
+    return tiny_qwen2(attn, max_position=1024)
 
 
 def test_packed_gradients_equal_the_sum_over_sequences_alone() -> None:

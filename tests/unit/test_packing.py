@@ -17,25 +17,11 @@ from learner.logprobs import (
 )
 from learner.packing import Sample, make_micro_batch, per_token, plan_micro_batches
 from learner.varlen_attention import VARLEN
-from learner.varlen_attention import register as register_varlen
+from tests.helpers import tiny_qwen2
 
 
 def _model(attn: str) -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    register_varlen()
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation=attn,
-    )
-    return Qwen2ForCausalLM(cfg).eval()
+    return tiny_qwen2(attn, max_position=128).eval()
 
 
 def _samples(n: int, seed: int = 0) -> list[Sample]:
