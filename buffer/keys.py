@@ -49,6 +49,11 @@ class RedisKeys:
         return self.prefix + "counters"
 
     @property
+    def lifetimes(self) -> str:
+        """List of JSON entries, one per learner start: step, version and the counters at that moment."""
+        return self.prefix + "lifetimes"
+
+    @property
     def staleness(self) -> str:
         """Hash lag -> number of groups trained on with that staleness."""
         return self.prefix + "staleness"

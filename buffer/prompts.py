@@ -53,6 +53,8 @@ class PromptQueue:
         self.dead_letter_maxlen = dead_letter_maxlen
         self._scripts = Scripts(client)
         self._claim_cursor = "0-0"
+        self.admission: dict[str, int] = {}
+        """After each :meth:`feed`: the issued total and the prompts given back to admission."""
         ensure_group(client, keys.prompts, PROMPT_GROUP)
 
     # -- learner rank 0 ----------------------------------------------------------------------------------
@@ -74,6 +76,7 @@ class PromptQueue:
             max_staleness=max_staleness,
         )  # fmt: skip
         batch = list(itertools.islice(prompts, allowed))
+        self.admission = {"prompts_issued": issued + len(batch), "prompts_given_back": wasted}
         if not batch:
             return 0
         pipe = self.client.pipeline(transaction=True)  # entries and the issued counter move together
@@ -84,6 +87,19 @@ class PromptQueue:
         pipe.hincrby(self.keys.counters, _ISSUED, len(batch))
         pipe.execute()
         return len(batch)
+
+    def reissue(self, prompts: list[Prompt], *, version: int) -> int:
+        """Put back prompts that were issued before a restart and lost with Redis (see
+        :func:`buffer.ledger.restore`): they are already in the issued count, so they do not count again."""
+        if not prompts:
+            return 0
+        pipe = self.client.pipeline(transaction=True)
+        for prompt in prompts:
+            prompt.issued_at_version = version
+            pipe.xadd(self.keys.prompts, {_F_PROMPT: prompt.SerializeToString()})
+        pipe.hincrby(self.keys.counters, "prompts_reissued", len(prompts))
+        pipe.execute()
+        return len(prompts)
 
     # -- rollout servers ----------------------------------------------------------------------------------
     def read(self, consumer: str, *, count: int = 1, block_ms: int = 1000) -> list[tuple[str, Prompt]]:

@@ -83,9 +83,10 @@ def _warn(skipped: Counter[str]) -> None:
 
 
 def broadcast_groups(
-    groups: list[GroupData] | None, *, src: int = 0, device: torch.device, stop: bool = False
-) -> tuple[list[GroupData], bool]:
-    """Rank ``src`` passes its groups (and a stop flag); every rank returns the same decoded groups."""
+    groups: list[GroupData] | None, *, src: int = 0, device: torch.device, stop: int = 0
+) -> tuple[list[GroupData], int]:
+    """Rank ``src`` passes its groups (and a stop code: 0 go on, any other value says why to stop);
+    every rank returns the same decoded groups and code."""
     rank = dist.get_rank()
     if rank == src:
         payloads = [encode_group(g) for g in groups or []]
@@ -99,7 +100,7 @@ def broadcast_groups(
     header_dev = header.to(device)
     dist.broadcast(header_dev, src)
     header = header_dev.cpu()
-    stop_flag, n = bool(header[0]), int(header[1])
+    stop_flag, n = int(header[0]), int(header[1])
     lengths = header[2 : 2 + n].tolist()
     total = sum(lengths)
     if rank == src:

@@ -42,6 +42,8 @@ class TrainState:
     """Prompts issued from the dataset (the next prompt's index)."""
     updates: int = 0
     """Optimizer updates done."""
+    ledger: dict | None = None
+    """The buffer's books at the checkpoint (:class:`buffer.ledger.LedgerSnapshot` as JSON; rank 0 only)."""
 
 
 def rng_state() -> dict:

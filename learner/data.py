@@ -49,7 +49,8 @@ class PromptSource(Iterator[Prompt]):
         if spec.startswith("demo:"):
             self._rows: list[dict] | None = None
             self.prompt_key = "prompt"
-            self._stream = itertools.islice(demo_rows(spec.split(":", 1)[1], seed=cfg.run.seed), start, None)
+            self._demo = (spec.split(":", 1)[1], cfg.run.seed)
+            self._stream = itertools.islice(demo_rows(self._demo[0], seed=self._demo[1]), start, None)
         else:
             if not Path(spec).is_file():
                 raise ValueError(f"learner.data_path: {spec} does not exist")
@@ -60,14 +61,23 @@ class PromptSource(Iterator[Prompt]):
             return next(self._stream)
         return self._rows[self.position % len(self._rows)]
 
-    def __next__(self) -> Prompt:
-        row = self._row()
+    def _prompt(self, row: dict, index: int) -> Prompt:
         context = {k: v if isinstance(v, str) else json.dumps(v) for k, v in row.items() if k != self.prompt_key}
-        prompt = Prompt(
-            prompt_id=f"p{self.position}",
-            dataset_index=self.position,
-            text=row[self.prompt_key],
-            reward_context=context,
-        )
+        return Prompt(prompt_id=f"p{index}", dataset_index=index, text=row[self.prompt_key], reward_context=context)
+
+    def __next__(self) -> Prompt:
+        prompt = self._prompt(self._row(), self.position)
         self.position += 1
         return prompt
+
+    def prompts_at(self, indices: list[int]) -> list[Prompt]:
+        """The prompts at these dataset positions, in order (to reissue after a restart), without moving
+        ``position``."""
+        wanted, out = sorted(set(indices)), []
+        if self._rows is not None:
+            return [self._prompt(self._rows[i % len(self._rows)], i) for i in wanted]
+        rows = demo_rows(self._demo[0], seed=self._demo[1])  # an endless stream: one pass up to the last index
+        for i, row in enumerate(itertools.islice(rows, wanted[-1] + 1 if wanted else 0)):
+            if i == wanted[len(out)]:
+                out.append(self._prompt(row, i))
+        return out

@@ -3,15 +3,19 @@
 The dataset position resumes from the larger of the checkpoint's and the buffer's ``issued`` counter:
 when Redis outlived the learner, the prompts issued after the checkpoint are still in the prompts
 stream (or already answered in the trajectories stream), so issuing them again would repeat data.
+When Redis did not keep the run, the checkpoint's books are put back first and the prompts that were
+outstanding at the checkpoint are reissued once (:mod:`buffer.ledger`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import redis
 
 from buffer import BufferedGroup, PromptQueue, RedisKeys, TrajectoryReader
+from buffer.ledger import LedgerSnapshot, begin_lifetime, restore
 from learner.data import PromptSource
 from tether.config import TetherConfig
 from tether.logs import get_logger
@@ -24,18 +28,35 @@ class DataTimeout(RuntimeError):
 
 
 class Feed:
-    def __init__(self, cfg: TetherConfig, client, *, data_position: int) -> None:
+    def __init__(
+        self,
+        cfg: TetherConfig,
+        client,
+        *,
+        data_position: int,
+        step: int = 0,
+        version: int = 0,
+        ledger: LedgerSnapshot | None = None,
+    ) -> None:
         self.cfg = cfg
         self.keys = RedisKeys(cfg.run.run_id)
+        # Before any stream or group is (re)created: Redis may have lost the run, or be older than the checkpoint.
+        reissue = restore(client, self.keys, ledger)
         self.queue = PromptQueue(client, self.keys, claim_idle_ms=cfg.buffer.claim_idle_ms)
         self.reader = TrajectoryReader(client, self.keys, cfg.buffer, consumer="learner-0")
         start = max(data_position, self.queue.issued())
         # No dataset: every group comes from custom environments driving episodes (nothing to feed).
         self.source = PromptSource(cfg, start=start) if cfg.learner.data_path else None
+        self.lifetime = begin_lifetime(client, self.keys, step=step, version=version)
+        if reissue and self.source is not None:
+            self.queue.reissue(self.source.prompts_at(reissue), version=version)
         recovered = self.reader.recover()
         self.prompts_per_version = cfg.learner.train_batch_size * cfg.weight_sync.sync_every
         self.redis_errors = 0  # Redis calls that failed even after the client's retries (logged each time)
-        log.info("feed_started", dataset_position=start, recovered_groups=recovered)
+        log.info(
+            "feed_started", dataset_position=start, recovered_groups=recovered, reissued_prompts=len(reissue),
+            lifetime=self.lifetime,
+        )  # fmt: skip
 
     @property
     def position(self) -> int:
@@ -51,13 +72,28 @@ class Feed:
             max_staleness=self.cfg.algorithm.max_staleness,
         )
 
-    def next_batch(self, version: int) -> list[BufferedGroup]:
-        """Exactly ``train_batch_size`` usable groups (waits for them; feeds prompts while waiting)."""
+    def admission_metrics(self, version: int) -> dict[str, float]:
+        """The admission count after the last feed, beside its bound (so a run's metrics show it held)."""
+        if not self.queue.admission:
+            return {}
+        bound = (self.cfg.algorithm.max_staleness + version + 1) * self.prompts_per_version
+        issued, given_back = self.queue.admission["prompts_issued"], self.queue.admission["prompts_given_back"]
+        return {
+            "buffer/prompts_issued": float(issued),
+            "buffer/prompts_given_back": float(given_back),
+            "buffer/admission_bound": float(bound + given_back),
+        }
+
+    def next_batch(self, version: int, *, stop_requested: Callable[[], bool] | None = None) -> list[BufferedGroup]:
+        """Exactly ``train_batch_size`` usable groups (waits for them; feeds prompts while waiting); fewer
+        when ``stop_requested`` turns true meanwhile — those stay unacknowledged for the next lifetime."""
         want = self.cfg.learner.train_batch_size
         timeout = self.cfg.learner.read_timeout_s
         got: list[BufferedGroup] = []
         last_progress = time.monotonic()
         while len(got) < want:
+            if stop_requested is not None and stop_requested():
+                return got
             try:
                 self.feed(version)
                 new = self.reader.read(

@@ -15,12 +15,18 @@ import random
 import time
 
 import numpy as np
+import redis
 import torch
 import torch.distributed as dist
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
+from buffer.keys import RedisKeys
+from buffer.ledger import write_books
 from learner.batch import broadcast_groups
 from learner.checkpoint import TrainState, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.feed import DataTimeout, Feed
+from learner.lifecycle import StopSignal, plan_resume_version
 from learner.parallelize import load_model, parallelize
 from learner.telemetry import LiveStatus, StepProfiler, nvtx, peak_flops, train_flops
 from learner.trainer import Trainer
@@ -30,6 +36,9 @@ from tether.metrics import MetricsLogger, build_metrics
 from tether.runs import run_paths
 
 log = get_logger(__name__)
+
+# Rank 0's word to every rank with each batch: train it, stop on a failure, or stop because asked to.
+_GO_ON, _FAILED, _STOP_ASKED = 0, 1, 2
 
 
 def init_distributed(cfg: TetherConfig) -> tuple[int, int, torch.device]:
@@ -90,42 +99,73 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
             state = load_checkpoint(ckpt, model=model, optimizer=trainer.optimizer, scheduler=trainer.scheduler)
 
     from buffer import ServerRegistry, publish_version, read_version
+    from buffer.ledger import LedgerSnapshot, take_snapshot
     from weight_sync.sender import WeightSender
+    from weight_sync.snapshot import latest_snapshot
 
     client = feed = live = None
     metrics: MetricsLogger = build_metrics(paths.root, rank=rank, tensorboard=cfg.run.tensorboard)
+    republish = False
     if rank == 0:
         from tether.redis_server import connect_redis
 
         if not cfg.buffer.redis_url:
             raise ValueError("buffer.redis_url is empty: start the learner with `tether up`, or give a Redis URL")
         client = connect_redis(cfg.buffer.redis_url)
-        feed = Feed(cfg, client, data_position=state.data_position)
-        if read_version(client, feed.keys) < state.version:
-            publish_version(client, feed.keys, state.version)
+        if resume and state.step > 0:
+            snap = latest_snapshot(paths.snapshots)
+            plan = plan_resume_version(state.version, published=read_version(client, RedisKeys(cfg.run.run_id)),
+                                       snapshot=snap[0] if snap else None)  # fmt: skip
+            log.info("resume_version", checkpoint=state.version, version=plan.version, publish=plan.publish,
+                     reason=plan.reason)  # fmt: skip
+            state.version, republish = plan.version, plan.publish
+        feed = Feed(cfg, client, data_position=state.data_position, step=state.step, version=state.version,
+                    ledger=LedgerSnapshot.from_json(state.ledger))  # fmt: skip
         live = LiveStatus(client=client, key=feed.keys.learner, port=lc.metrics_port, total_steps=lc.total_steps,
                           start_step=state.step)  # fmt: skip
+    state.version, republish = _agree_version(state.version, republish, device)
     registry = ServerRegistry(client, feed.keys) if rank == 0 else None
     sender = WeightSender(cfg, model=model, rank=rank, world_size=world, registry=registry)
+    if republish:  # before any prompt is fed: every server generates from the checkpoint's weights
+        sender.publish(state.version, snapshot=True)
+    if rank == 0 and (republish or read_version(client, feed.keys) < state.version):
+        publish_version(client, feed.keys, state.version)
     profiler = StepProfiler(lc.profile.steps, paths.root / "profile", rank)
     n_params = sum(p.numel() for p in model.parameters())
     peak = peak_flops(device)
     forward_passes = int(cfg.algorithm.recompute_logprobs) + int(ref is not None)
     saved_at = state.step if resume else -1
+    stop_signal = StopSignal()
     code = 0
+
+    def checkpoint() -> None:
+        _sync_position(state, device)
+        if rank == 0:
+            try:
+                state.ledger = take_snapshot(client, feed.keys).to_json()
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                # The weights are still worth keeping; a resume onto a Redis that lost the run then has no
+                # books to restore, and says so.
+                log.warning("checkpoint_without_books", error=str(e))
+                state.ledger = None
+        save_checkpoint(paths.checkpoints, model=model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                        state=state)  # fmt: skip
+
     try:
         while state.step < lc.total_steps:
             t0 = time.perf_counter()
-            batch, stop = [], False
+            batch, stop = [], _GO_ON
             if rank == 0:
                 try:
-                    batch = feed.next_batch(state.version)
+                    batch = feed.next_batch(state.version, stop_requested=lambda: stop_signal.requested)
                 except DataTimeout as e:
                     log.error("data_timeout", error=str(e))
-                    stop = True
+                    stop = _FAILED
+                if stop == _GO_ON and stop_signal.requested:
+                    stop = _STOP_ASKED
             groups, stop = broadcast_groups([b.group for b in batch], device=device, stop=stop)
-            if stop:
-                code = 1
+            if stop != _GO_ON:
+                code = 1 if stop == _FAILED else 0
                 break
             t_data = time.perf_counter() - t0
             with profiler(state.step + 1), nvtx(f"step{state.step + 1}"):
@@ -133,6 +173,7 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
             if rank == 0:
                 feed.ack(batch)  # after the optimizer step that used them
                 state.data_position = feed.position
+                out.update(feed.admission_metrics(state.version))
             state.step += 1
             t_sync = time.perf_counter()
             if state.step % cfg.weight_sync.sync_every == 0:
@@ -152,6 +193,7 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
                     "timing/step": time.perf_counter() - t0,
                     "perf/tokens_per_s": tokens / compute if compute else 0.0,
                     "learner/version": float(state.version),
+                    "learner/data_position": float(state.data_position),
                 }
             )
             if peak and compute:
@@ -161,22 +203,44 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
                 metrics.log(out, step=state.step)
                 live.update(state.step, state.version, out)
             if lc.checkpoint_every and state.step % lc.checkpoint_every == 0:
-                _sync_position(state, device)
-                save_checkpoint(paths.checkpoints, model=model, optimizer=trainer.optimizer,
-                                scheduler=trainer.scheduler, state=state)  # fmt: skip
+                checkpoint()
                 saved_at = state.step
-        if code == 0 and saved_at != state.step:
-            _sync_position(state, device)
-            save_checkpoint(paths.checkpoints, model=model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-                            state=state)  # fmt: skip
-        if code == 0 and lc.export_hf:
+        # Finished, or stopped by a signal between steps: either way the state is whole, so keep it.
+        if code == 0 and saved_at != state.step and state.step > 0:
+            checkpoint()
+        if code == 0 and lc.export_hf and state.step >= lc.total_steps:
             export_hf(model, out_dir=paths.root / "final", source_dir=cfg.model.path)
     finally:
+        stop_signal.restore()
         metrics.close()
         if live is not None:
             live.close()
-    log.info("learner_finished", step=state.step, version=state.version, code=code)
+        if rank == 0 and feed is not None:
+            _write_books(cfg, feed.keys, paths.root / "buffer_stats.json")
+    log.info("learner_finished", step=state.step, version=state.version, code=code, stopped_by=stop_signal.received)
     return code
+
+
+def _write_books(cfg: TetherConfig, keys: RedisKeys, path) -> None:  # type: ignore[no-untyped-def]
+    """The books at the learner's end, in every mode (also without ``tether up``); a fresh client with a short
+    timeout, so a Redis that went away first cannot hold the exit up for the retry budget."""
+    from tether.redis_server import RedisUnavailable, connect_redis
+
+    try:
+        client = connect_redis(cfg.buffer.redis_url, timeout_s=2.0)
+    except RedisUnavailable as e:
+        log.warning("buffer_books_not_saved", error=str(e))
+        return
+    client.set_retry(Retry(NoBackoff(), 0))
+    write_books(client, keys, path)
+    client.close()
+
+
+def _agree_version(version: int, republish: bool, device: torch.device) -> tuple[int, bool]:
+    """Rank 0 decided the resumed version; every rank must publish under the same one."""
+    t = torch.tensor([version, int(republish)], dtype=torch.int64, device=device)
+    dist.broadcast(t, 0)
+    return int(t[0].item()), bool(t[1].item())
 
 
 def _sync_position(state: TrainState, device: torch.device) -> None:

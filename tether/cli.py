@@ -1,6 +1,7 @@
 """The ``tether`` command. Every subcommand validates its config before importing torch.
 
     tether up --config configs/demo.yaml            the whole loop on this machine
+    tether up --resume runs/<id>                    continue a run from its folder
     tether learner --config cfg.yaml --run.run_id r1 the learner under torchrun (this node)
     tether rollout --config cfg.yaml --run.run_id r1 one rollout server
     tether status --config cfg.yaml --run.run_id r1  a live view of a running run
@@ -16,6 +17,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from tether.config import ConfigError, TetherConfig, dump_config, load_config
 
@@ -35,7 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="run the whole loop on this machine (embedded Redis, learner, rollout servers)")
     _add_config(up)
-    up.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
+    up.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="RUN_DIR",
+        help="continue the run from its latest checkpoint; given a run folder (runs/<id>), its config.yaml is the "
+        "config unless --config says otherwise",
+    )
 
     learner = sub.add_parser("learner", help="start the learner on this node under torchrun")
     _add_config(learner)
@@ -79,10 +89,16 @@ def _require_run_id(cfg: TetherConfig) -> None:
 
 
 def cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
+    if isinstance(args.resume, str):  # tether up --resume runs/<id>: the folder names the run and its config
+        folder = Path(args.resume)
+        if not (folder / "config.yaml").is_file():
+            raise ConfigError(f"--resume {folder}: not a run folder (no config.yaml in it)")
+        args.config = args.config or str(folder / "config.yaml")
+        overrides = ["--run.run_id", folder.name, "--run.output_dir", str(folder.parent), *overrides]
     cfg = _load(args, overrides)
     from tether.launcher import up
 
-    return up(cfg, resume=args.resume)
+    return up(cfg, resume=bool(args.resume))
 
 
 def cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:

