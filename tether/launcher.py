@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from tether.config import ConfigError, TetherConfig, save_resolved
+from tether.devices import count_gpus, plan_devices
 from tether.logs import get_logger, setup_logging
 from tether.runs import RunPaths, new_run_id, run_paths
 from tether.supervisor import ChildFailed, ChildSpec, Supervisor
@@ -113,6 +114,7 @@ def thread_env(num_processes: int) -> dict[str, str]:
 
 def up(cfg: TetherConfig, *, resume: bool = False) -> int:
     check_model_path(cfg)
+    gpus = plan_devices(cfg, count_gpus())  # a config that cannot fit this box fails before anything starts
     if cfg.run.run_id is None:
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_id": new_run_id()})})
     paths: RunPaths = run_paths(cfg).make()
@@ -134,11 +136,12 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
         log.info("run_started", run_id=cfg.run.run_id, folder=str(paths.root), resume=resume)
         env = thread_env(cfg.learner.nproc_per_node + cfg.rollout.num_servers)
         learner = learner_command(cfg, resume=resume, redis_url=url if embedded else "")
-        supervisor.start(ChildSpec("learner", learner, paths.console_file("learner"), env=env, primary=True))
+        supervisor.start(ChildSpec("learner", learner, paths.console_file("learner"), env={**env, **gpus.learner_env},
+                                   primary=True))  # fmt: skip
         for i in range(cfg.rollout.num_servers):
             name = f"rollout-{i}"
             cmd = rollout_command(cfg, index=i, redis_url=url if embedded else "")
-            supervisor.start(ChildSpec(name, cmd, paths.console_file(name), env=env))
+            supervisor.start(ChildSpec(name, cmd, paths.console_file(name), env={**env, **gpus.rollout_envs[i]}))
         from tether.status import ProgressLine
 
         progress = ProgressLine(_with_redis(cfg, url))

@@ -164,11 +164,19 @@ class CollectiveReceive:
                 self._pg, self._epoch, self._buffers = None, None, None
                 raise
 
+    def _device_for(self, backend: str) -> torch.device:
+        # NCCL moves CUDA memory only: its buffers live on this process' current GPU whatever ``device``
+        # says (the transformers target and the vLLM worker both construct this with the CPU default).
+        if backend == "nccl" and self.device.type != "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return self.device
+
     def _buffers_for(self, plan) -> list[torch.Tensor]:
-        key = (str(self.device), tuple(int(b.num_bytes) for b in plan.buckets))
+        device = self._device_for(plan.collective.backend)
+        key = (str(device), tuple(int(b.num_bytes) for b in plan.buckets))
         if self._buffers is None or self._buffers[0] != key:
             self._buffers = None  # a new layout: free the old buffers before allocating the new ones
-            self._buffers = (key, [empty_bucket(bucket, self.device) for bucket in plan.buckets])
+            self._buffers = (key, [empty_bucket(bucket, device) for bucket in plan.buckets])
         return self._buffers[1]
 
     def close(self) -> None:

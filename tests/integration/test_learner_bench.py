@@ -19,3 +19,22 @@ def test_bench_quick_prints_a_ratio() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"packed/padded tokens/s ratio: \d+\.\d+x", proc.stdout)
+
+
+def test_mfu_bench_quick_runs_on_cpu_and_refuses_a_full_run_without_a_gpu(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[2]
+    script = str(root / "bench" / "learner_mfu.py")
+    out = tmp_path / "mfu.json"
+    proc = subprocess.run([sys.executable, script, "--quick", "--json", str(out)], capture_output=True, text=True,
+                          timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"tokens/s: median \d+", proc.stdout)
+    import json
+
+    figures = json.loads(out.read_text())
+    assert figures["tokens_per_s_median"] > 0 and figures["mfu"] is None  # no MFU claim on a CPU
+    import torch
+
+    if not torch.cuda.is_available():
+        full = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+        assert full.returncode == 2 and "needs a CUDA GPU" in full.stdout

@@ -1,0 +1,80 @@
+"""The GPU suite itself, on the CPU: it is collected, its verdict refuses an empty run on a GPU machine, and
+its one-GPU tests pass as a dry run on the CPU (so their code cannot rot between the rare GPU runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.gpu.verdict import verdict
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_verdict_fails_a_gpu_machine_where_nothing_ran() -> None:
+    assert verdict(cuda=True, passed=0, failed=0)[0] == 1
+    assert verdict(cuda=True, passed=3, failed=0)[0] == 0
+    assert verdict(cuda=True, passed=3, failed=1)[0] == 1
+    assert verdict(cuda=False, passed=0, failed=0)[0] == 0  # no GPU: skipping is the expected outcome
+    assert "nothing about CUDA" in verdict(cuda=False, passed=8, failed=0, dry_run=True)[1]
+
+
+def _pytest(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "tests.gpu.verdict", "-m", "gpu or gpu2", "tests/gpu", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def test_the_suite_is_collected_on_the_cpu() -> None:
+    out = _pytest("--collect-only", "-q")
+    listed = [line for line in out.stdout.splitlines() if "::test_" in line]
+    assert len(listed) >= 10, out.stdout
+    assert any("nccl" in line for line in listed) and any("bf16" in line for line in listed)
+
+
+@pytest.mark.slow
+def test_one_gpu_tests_pass_as_a_dry_run_on_the_cpu() -> None:
+    out = _pytest("-q", env={"TETHER_GPU_SUITE_ON_CPU": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "gpu verdict: dry run on the CPU" in out.stdout
+    passed = [line for line in out.stdout.splitlines() if line.startswith("  passed")]
+    assert len(passed) >= 8, out.stdout
+
+
+@pytest.mark.slow
+def test_gpu_check_script_runs_end_to_end_and_fails_without_a_gpu(tmp_path: Path) -> None:
+    """The one command for a lent GPU machine, run here: the suite skips, the MFU bench refuses, the results
+    folder is written, and the exit status says the check did not pass."""
+    venv_bin = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": f"{venv_bin}:{os.environ['PATH']}", "GPU_CHECK_WHEELS": str(tmp_path / "none")}
+    env.pop("OUT", None)
+    results = tmp_path / "results"
+    proc = subprocess.run(["bash", str(REPO / "deploy" / "gpu-check.sh"), str(results)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode != 0  # no GPU: the MFU bench cannot run, so the check cannot pass
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["gpu_tests_exit"] == 0 and summary["mfu_bench_exit"] == 2
+    assert "gpu verdict: no CUDA device" in (results / "gpu-tests.log").read_text()
+    assert (results / "gpu-junit.xml").exists()
+
+
+def test_nccl_receive_buffers_go_to_the_gpu_whatever_the_receiver_was_built_with() -> None:
+    """The transformers target and the vLLM worker build their receiver with the CPU default; NCCL moves CUDA
+    memory only, so its buffers must follow the backend (gloo keeps the configured device)."""
+    import torch
+
+    from weight_sync.collective import CollectiveReceive
+
+    receive = CollectiveReceive()
+    assert receive._device_for("gloo") == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert receive._device_for("nccl").type == "cuda"
+    else:
+        with pytest.raises((RuntimeError, AssertionError)):  # asks CUDA for the current device
+            receive._device_for("nccl")

@@ -1,0 +1,90 @@
+"""Which GPU each local process of ``tether up`` gets — including the one-GPU box, where they share it.
+
+Without a plan every process would open ``cuda:0``: on a box with several GPUs the learner and vLLM would
+crowd the first one, and on a box with one GPU vLLM's default share (85 % of its memory) would leave the
+learner nothing. So ``tether up`` gives the learner's ranks GPUs ``0 … nproc−1`` and each rollout server
+a GPU of its own after them (``CUDA_VISIBLE_DEVICES``); when there are not enough GPUs for that but the run
+is one learner rank and GPU engines on a single GPU, they share GPU 0, provided the engines leave the
+learner room (``rollout.engine.gpu_memory_utilization`` at most :data:`SHARED_ENGINE_SHARE` in all) and
+the weights travel by filesystem (NCCL cannot put two ranks on one GPU). Anything else is a config error
+that says what to change. CPU runs (the transformers engine on CPU, ``learner.device: cpu``) are left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+from tether.config import ConfigError, TetherConfig
+
+SHARED_ENGINE_SHARE = 0.5
+"""Of one shared GPU's memory, the most the rollout engines may take together (the learner needs the rest)."""
+
+
+@dataclass
+class DevicePlan:
+    learner_env: dict[str, str] = field(default_factory=dict)
+    rollout_envs: list[dict[str, str]] = field(default_factory=list)
+    shared: bool = False
+
+
+def count_gpus() -> int:
+    """GPUs this process may use: ``CUDA_VISIBLE_DEVICES`` when set, else ``nvidia-smi -L`` (0 without it)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def _uses_gpu(cfg: TetherConfig) -> tuple[bool, bool]:
+    engine = cfg.rollout.engine
+    engine_gpu = engine.type in ("vllm", "sglang") or getattr(engine, "device", "auto") == "cuda"
+    return cfg.learner.device != "cpu", engine_gpu
+
+
+def plan_devices(cfg: TetherConfig, gpus: int) -> DevicePlan:
+    """The ``CUDA_VISIBLE_DEVICES`` of the learner and of each rollout server on a box with ``gpus`` GPUs."""
+    learner_gpu, engine_gpu = _uses_gpu(cfg)
+    nproc, servers = cfg.learner.nproc_per_node, cfg.rollout.num_servers
+    if gpus == 0 or not (learner_gpu or engine_gpu):
+        return DevicePlan(rollout_envs=[{} for _ in range(servers)])
+    needed = (nproc if learner_gpu else 0) + (servers if engine_gpu else 0)
+    if gpus >= needed:
+        learner_ids = list(range(nproc)) if learner_gpu else []
+        first = len(learner_ids)
+        learner_env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, learner_ids))} if learner_gpu else {}
+        rollout = [{"CUDA_VISIBLE_DEVICES": str(first + i)} if engine_gpu else {} for i in range(servers)]
+        return DevicePlan(learner_env, rollout)
+    if nproc == 1 and gpus >= 1:
+        return _shared_plan(cfg, servers)
+    raise ConfigError(
+        f"{gpus} GPU(s) for {nproc} learner rank(s) and {servers} rollout server(s) on GPUs: give each its own "
+        "GPU, or share one GPU with learner.nproc_per_node: 1 (see README, 'One GPU')"
+    )
+
+
+def _shared_plan(cfg: TetherConfig, servers: int) -> DevicePlan:
+    engine = cfg.rollout.engine
+    share = getattr(engine, "gpu_memory_utilization", 0.0) * servers
+    if engine.type in ("vllm", "sglang") and share > SHARED_ENGINE_SHARE:
+        raise ConfigError(
+            f"rollout.engine.gpu_memory_utilization: {engine.gpu_memory_utilization} × {servers} server(s) of one "
+            f"shared GPU leaves the learner too little; set it to at most {SHARED_ENGINE_SHARE / servers:.2f} "
+            "(configs/one-gpu.yaml)"
+        )
+    if cfg.weight_sync.transport.type == "nccl":
+        raise ConfigError(
+            "weight_sync.transport.type: nccl cannot put the learner and a rollout server on one GPU — use "
+            "filesystem on a one-GPU box (configs/one-gpu.yaml)"
+        )
+    env = {"CUDA_VISIBLE_DEVICES": "0"}
+    return DevicePlan(dict(env), [dict(env) for _ in range(servers)], shared=True)
