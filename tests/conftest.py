@@ -21,11 +21,11 @@ import pytest
 import redis
 from hypothesis import settings
 
+from tether.redis_server import EmbeddedRedis, bundled_redis_executable, free_port
+
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("dev")
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
-
-from tether.redis_server import EmbeddedRedis, bundled_redis_executable, free_port
 
 _DBS = iter(range(1, 16))
 

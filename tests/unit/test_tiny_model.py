@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import re
-
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
