@@ -4,8 +4,10 @@ The learner reads with consumer group ``learner`` and acknowledges an entry only
 step that used it, so a learner killed in between gets the entry again: :meth:`TrajectoryReader.recover`
 takes back its own unacknowledged entries on restart, and entries left pending by a consumer that
 vanished are claimed (XAUTOCLAIM) once idle for ``claim_idle_ms``. Every entry ends in exactly one
-counter — ``acknowledged``, ``dropped_stale`` or ``dead_letter`` — so produced = those + what is still
-in the stream, and nothing is lost silently. Stale groups are dropped from their header alone, before
+counter — ``acknowledged``, ``dropped_stale`` (groups of prompts the learner issued, whose drop gives
+an admission slot back), ``dropped_stale_env`` (other groups: custom environments' episodes, which no
+prompt admitted) or ``dead_letter`` — so produced = those + what is still in the stream, and nothing is
+lost silently. Stale groups are dropped from their header alone, before
 any fetching or decoding. A read is one XREADGROUP for the small entry headers and one MGET for the
 payloads worth decoding (:mod:`buffer.scripts` says why payloads live in their own keys); an ack is
 one script call that also deletes the payloads, with the ``consumed`` bookkeeping piggy-backed on it.
@@ -25,9 +27,16 @@ from buffer.scripts import Scripts, ensure_group
 from buffer.settle import Settlement
 from tether.config.buffer import BufferConfig
 from tether.logs import get_logger
-from tether.trajectory import GroupData, InvalidTrajectory
+from tether.trajectory import PROMPT_GROUP_PREFIX, GroupData, InvalidTrajectory
 
 log = get_logger(__name__)
+
+
+def _stale_counter(head: EntryHeader) -> str:
+    # Admission control (buffer.prompts) gives back one slot per ``dropped_stale``: only groups born from
+    # an issued prompt may count there, or stale episode groups would loosen the bound for good.
+    return "dropped_stale" if head.group_id.startswith(PROMPT_GROUP_PREFIX) else "dropped_stale_env"
+
 
 _RECOVER_PAGE = 256
 
@@ -169,7 +178,7 @@ class TrajectoryReader:
                 settle.add("dead_letter", eid, nbytes=head.nbytes, reason=reason, nonce=head.nonce)
                 continue
             if head.oldest_version is not None and staleness_of(head.oldest_version, current_version) > max_staleness:
-                settle.add("dropped_stale", eid, nbytes=head.nbytes, nonce=head.nonce)  # never fetched
+                settle.add(_stale_counter(head), eid, nbytes=head.nbytes, nonce=head.nonce)  # never fetched
                 continue
             wanted.append((eid, head, None if head.nonce else fields.get(F_DATA, b"")))
         # The payloads of everything worth decoding, in one round trip.
@@ -186,7 +195,7 @@ class TrajectoryReader:
                 continue
             lag = staleness_of(oldest, current_version)
             if lag > max_staleness:  # the header lied or was missing: the payload is what counts
-                settle.add("dropped_stale", eid, nbytes=head.nbytes, nonce=head.nonce)
+                settle.add(_stale_counter(head), eid, nbytes=head.nbytes, nonce=head.nonce)
                 continue
             self._inflight[eid] = (head.nbytes, lag, head.nonce)
             good.append(BufferedGroup(entry_id=eid, group=group, staleness=lag))

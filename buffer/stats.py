@@ -27,6 +27,8 @@ COUNTERS = (
     "consumed",
     "acknowledged",
     "dropped_stale",
+    "dropped_stale_env",
+    "episode_groups_incomplete",
     "dead_letter",
     "duplicates",
     "prompts_issued",
@@ -76,6 +78,9 @@ def buffer_stats(client: redis.Redis, keys: RedisKeys) -> dict[str, float]:
     }
     for name in COUNTERS:
         out[f"buffer/{name}"] = float(counters.get(name, 0))
+    # The Redis counter ``dropped_stale`` holds prompt-born groups only (it frees admission slots); the
+    # metric is every stale drop, with the environment-born share beside it.
+    out["buffer/dropped_stale"] += out["buffer/dropped_stale_env"]
 
     lags = {int(k): int(v) for k, v in dict(_ok(hist, {})).items()}
     total = sum(lags.values())

@@ -1,9 +1,17 @@
 """From buffer groups to training samples, and the step's groups from rank 0 to every rank.
 
-Bad input is skipped, counted and logged, never trained on: a trajectory with a non-finite reward or
-behaviour log-prob, without prompt tokens (its first token has no logits) or without completion
-tokens; a fully masked trajectory still counts in its group's baseline but has nothing to train on.
-Advantages are computed per group over the surviving rewards (GRPO / Dr.GRPO).
+Bad input is skipped, counted and logged, never trained on: a trajectory that ended aborted (partial
+tokens, never scored), with a non-finite reward or behaviour log-prob, without prompt tokens (its first
+token has no logits), without completion tokens, or with an unreadable sampling temperature; a fully
+masked trajectory still counts in its group's baseline but has nothing to train on. Advantages are
+computed per group over the surviving rewards (GRPO / Dr.GRPO); a group left with one sample has no
+baseline (advantage 0) and is counted as ``single_sample_groups``.
+
+Each sample carries the temperature its tokens were sampled at (trajectory metadata
+:data:`~tether.trajectory.TEMPERATURE_KEY`, else ``default_temperature``, the config's
+``rollout.temperature``) so the learner scores the same processed distribution as the sampler. Raw
+log-probs (``logprob_source`` other than ``processed``) are of the T = 1 distribution, so those
+samples are scored at T = 1.
 
 Rank 0 sends the groups as their protobuf encoding in one uint8 tensor (plus an int64 header of
 lengths) — ``broadcast_object_list`` would pickle, and no pickle crosses a process boundary here.
@@ -21,21 +29,56 @@ import torch.distributed as dist
 from learner.losses import group_advantages
 from learner.packing import Sample
 from tether.logs import get_logger
-from tether.trajectory import GroupData, decode_group, encode_group
+from tether.trajectory import (
+    LOGPROB_PROCESSED,
+    TEMPERATURE_KEY,
+    GroupData,
+    TrajectoryData,
+    decode_group,
+    encode_group,
+    logprob_temperature,
+)
+from tether.v1.trajectory_pb2 import FINISH_REASON_ABORTED
 
 log = get_logger(__name__)
 
+# Counts ``build_samples`` returns that are not skipped trajectories: trained on, but with no signal.
+NOT_SKIPPED = ("single_sample_groups",)
+
+
+def sample_temperature(t: TrajectoryData, default: float) -> float | None:
+    """The temperature to score ``t``'s log-probs at; None when its recorded one is unreadable."""
+    if t.logprob_source != LOGPROB_PROCESSED:
+        return 1.0
+    raw = t.metadata.get(TEMPERATURE_KEY)
+    try:
+        value = default if raw is None else float(raw)
+    except ValueError:
+        return None
+    return logprob_temperature(value) if math.isfinite(value) and value >= 0 else None
+
 
 def build_samples(
-    groups: list[GroupData], *, current_version: int, norm_by_std: bool, max_len: int | None = None
+    groups: list[GroupData],
+    *,
+    current_version: int,
+    norm_by_std: bool,
+    max_len: int | None = None,
+    default_temperature: float = 1.0,
 ) -> tuple[list[Sample], Counter[str]]:
-    """Samples (one per usable trajectory) with advantages, and counts of what was skipped and why."""
+    """Samples (one per usable trajectory) with advantages, and counts of what was skipped and why
+    (plus ``single_sample_groups``: groups left with one sample, whose advantage is 0)."""
     skipped: Counter[str] = Counter()
-    kept: list[tuple[int, object]] = []
+    kept: list[tuple[int, object, float]] = []
     for gi, g in enumerate(groups):
         for t in g.trajectories:
             reason = None
-            if not math.isfinite(t.reward):
+            temperature = sample_temperature(t, default_temperature)
+            if t.finish_reason == FINISH_REASON_ABORTED:
+                reason = "aborted"
+            elif temperature is None:
+                reason = "bad_temperature"
+            elif not math.isfinite(t.reward):
                 reason = "nonfinite_reward"
             elif t.num_completion_tokens == 0:
                 reason = "empty_completion"
@@ -48,16 +91,18 @@ def build_samples(
             if reason:
                 skipped[reason] += 1
                 continue
-            kept.append((gi, t))
+            kept.append((gi, t, temperature))
     if not kept:
         _warn(skipped)
         return [], skipped
-    rewards = torch.tensor([t.reward for _, t in kept], dtype=torch.float64)
-    gids = torch.tensor([gi for gi, _ in kept])
-    _, dense = torch.unique(gids, return_inverse=True)
+    rewards = torch.tensor([t.reward for _, t, _ in kept], dtype=torch.float64)
+    gids = torch.tensor([gi for gi, _, _ in kept])
+    _, dense, sizes = torch.unique(gids, return_inverse=True, return_counts=True)
     adv = group_advantages(rewards, dense, norm_by_std=norm_by_std)
+    if int((sizes == 1).sum()):
+        skipped["single_sample_groups"] = int((sizes == 1).sum())
     samples = []
-    for (gi, t), a in zip(kept, adv.tolist(), strict=True):
+    for (gi, t, temperature), a in zip(kept, adv.tolist(), strict=True):
         if not t.loss_mask.any():
             skipped["fully_masked"] += 1
             continue
@@ -71,6 +116,7 @@ def build_samples(
                 reward=float(t.reward),
                 group=gi,
                 staleness=max(0, current_version - t.oldest_version),
+                temperature=temperature,
             )
         )
     _warn(skipped)
@@ -78,7 +124,7 @@ def build_samples(
 
 
 def _warn(skipped: Counter[str]) -> None:
-    if skipped:
+    if any(k not in NOT_SKIPPED for k in skipped):
         log.warning("trajectories_skipped", **dict(skipped))
 
 

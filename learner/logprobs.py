@@ -4,7 +4,9 @@ The LM head runs only on the positions that predict completion tokens (``logits_
 index tensor), so logits are ``[N_completion, vocab]``. Log-softmax and entropy then go over those rows
 in chunks: the full softmax of a long batch would otherwise hold a second and third ``[N, vocab]``
 float32 tensor at once. With ``checkpoint=True`` each chunk's entropy is recomputed in backward instead
-of keeping its softmax alive (``entropy_checkpointing``).
+of keeping its softmax alive (``entropy_checkpointing``). With ``temperature`` the logits are divided
+by each token's sampling temperature first (verl's actor convention), so log-probs and entropy are of
+the distribution the rollout sampled from, the one its behaviour log-probs are of.
 """
 
 from __future__ import annotations
@@ -60,10 +62,12 @@ def forward_micro_batch(
     entropy_checkpointing: bool = False,
     entropy_grad: bool = True,
     chunk_size: int = DEFAULT_CHUNK,
+    temperature: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Run the model on one micro-batch; returns ``(logprobs [N], entropy [N] | None)`` in float32.
 
-    An empty micro-batch must go through :func:`dummy_loss` instead.
+    ``temperature``: [N] per completion token (None: 1). An empty micro-batch must go through
+    :func:`dummy_loss` instead.
     """
     if mb.empty:
         raise ValueError("forward_micro_batch got an empty micro-batch; use dummy_loss")
@@ -80,6 +84,8 @@ def forward_micro_batch(
         # in once here so no layer re-derives them (flash_attention_2 and the varlen kernel both read them).
         kwargs.update(cu_seqlens_kwargs(mb.seq_lengths, device))
         logits = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=index, **kwargs).logits[0]
+    if temperature is not None:
+        logits = logits / temperature.to(device=device, dtype=logits.dtype)[:, None]
     targets = mb.targets.to(device, non_blocking=True)
     logprobs = logprobs_from_logits(logits, targets, chunk_size=chunk_size)
     entropy = None

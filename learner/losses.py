@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+TIS_LEVELS = ("token", "sequence", "geometric")
 
 
 def group_advantages(rewards: Tensor, group_ids: Tensor, *, norm_by_std: bool, eps: float = 1e-6) -> Tensor:
@@ -56,18 +57,22 @@ def importance_weights(
     """Truncated importance weights proximal / behaviour (decoupled PPO's off-policy correction).
 
     All inputs [N]; ``mask`` is 1.0 for trained tokens. ``level="token"``: one weight per token;
-    ``"sequence"``: the geometric mean over the sequence's trained tokens, shared by its tokens.
+    ``"sequence"``: verl's sequence-level weight, the product of the sequence's per-token ratios over its
+    trained tokens (unbiased, high variance), shared by its tokens; ``"geometric"``: their geometric mean
+    (the per-token ratios' mean in log space; biased, low variance), shared by its tokens.
     ``mode="truncate"``: ``min(w, cap)``; ``"mask"``: tokens (or sequences) with ``w > cap`` get weight 0.
     Returns ``(weights [N] detached, capped [N] bool)``.
     """
     log_w = (proximal_logprobs - behavior_logprobs).detach() * mask
-    if level == "sequence":
+    if level in ("sequence", "geometric"):
         n_seq = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
         tot = torch.zeros(n_seq, dtype=log_w.dtype, device=log_w.device).index_add_(0, seq_ids, log_w)
-        cnt = torch.zeros(n_seq, dtype=log_w.dtype, device=log_w.device).index_add_(0, seq_ids, mask)
-        log_w = (tot / cnt.clamp(min=1))[seq_ids]
+        if level == "geometric":
+            cnt = torch.zeros(n_seq, dtype=log_w.dtype, device=log_w.device).index_add_(0, seq_ids, mask)
+            tot = tot / cnt.clamp(min=1)
+        log_w = tot[seq_ids]
     elif level != "token":
-        raise ValueError(f"tis_level must be 'token' or 'sequence', not {level!r}")
+        raise ValueError(f"tis_level must be one of {TIS_LEVELS}, not {level!r}")
     # Clamp before exp: a wild log-ratio must not become inf (inf * 0 would be NaN under the mask).
     w = torch.exp(log_w.clamp(-20.0, 20.0))
     capped = w > cap

@@ -41,6 +41,7 @@ class Sample:
     reward: float = 0.0
     group: int = 0
     staleness: int = 0
+    temperature: float = 1.0  # logits are divided by it before log-softmax (the sampler's distribution)
     proximal_logprobs: np.ndarray | None = None
     ref_logprobs: np.ndarray | None = None
     extra: dict[str, float] = field(default_factory=dict)

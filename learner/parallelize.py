@@ -104,6 +104,11 @@ def parallelize(
         apply_liger(model, device)
     if trainable and lc.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # HF checkpoints a block only while the block is in training mode, and from_pretrained returns the
+        # model in eval mode: without this the setting did nothing. Only the blocks themselves are flagged,
+        # so dropout inside them (0 in the usual LMs, and it would make log-probs random) stays off.
+        for block in decoder_blocks(model):
+            block.training = True
     if mesh is None:
         mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     kwargs: dict = {"mesh": mesh, "mp_policy": mixed_precision_policy(cfg, device)}

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from learner.batch import build_samples
+from learner.batch import NOT_SKIPPED, build_samples
 from learner.logprobs import dummy_loss, forward_micro_batch
 from learner.losses import LossSettings, policy_loss
 from learner.packing import Sample, make_micro_batch, per_token, plan_micro_batches, plan_within_ranks
@@ -62,6 +62,13 @@ def lr_lambda(cfg: TetherConfig, updates_per_step: int):
         return lc.min_lr_ratio + (1 - lc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return fn
+
+
+def _temperatures(samples: list[Sample], index: list[int]) -> torch.Tensor | None:
+    """Per-token sampling temperatures of a micro-batch; None when all are 1 (nothing to divide)."""
+    if all(samples[i].temperature == 1.0 for i in index):
+        return None
+    return per_token(samples, index, "temperature")
 
 
 class Trainer:
@@ -134,7 +141,7 @@ class Trainer:
             if mb.empty:
                 dummy_loss(model, mb, device=self.device)
                 continue
-            logprobs, _ = forward_micro_batch(model, mb, device=self.device)
+            logprobs, _ = forward_micro_batch(model, mb, device=self.device, temperature=_temperatures(samples, index))
             logprobs = logprobs.cpu().numpy()
             offset = 0
             for i in index:
@@ -161,6 +168,7 @@ class Trainer:
                 chunked_entropy=lc.entropy_from_logits_with_chunking,
                 entropy_checkpointing=lc.entropy_checkpointing,
                 entropy_grad=a.entropy_coeff > 0,
+                temperature=_temperatures(samples, index),
             )
             dev = {"device": self.device}
             behavior = per_token(samples, index, "behavior_logprobs").to(**dev)
@@ -202,9 +210,13 @@ class Trainer:
         lc, a = self.cfg.learner, self.cfg.algorithm
         t0 = time.perf_counter()
         samples, skipped = build_samples(
-            groups, current_version=version, norm_by_std=a.norm_adv_by_std_in_grpo, max_len=self.cfg.model.max_model_len
+            groups,
+            current_version=version,
+            norm_by_std=a.norm_adv_by_std_in_grpo,
+            max_len=self.cfg.model.max_model_len,
+            default_temperature=self.cfg.rollout.temperature,
         )
-        out: dict[str, float] = {f"learner/skipped_{k}": float(v) for k, v in skipped.items()}
+        out = {f"learner/{k}" if k in NOT_SKIPPED else f"learner/skipped_{k}": float(v) for k, v in skipped.items()}
         if not samples:
             log.warning("empty_batch_skipped", groups=len(groups))
             out["learner/empty_batches"] = 1.0

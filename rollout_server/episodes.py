@@ -7,7 +7,10 @@ an observation becomes a message through the tokenizer's chat template: the temp
 and without the new message and the difference (plus whatever the template puts after the model's
 end-of-turn token, e.g. ChatML's newline) is appended as environment tokens. Episodes idle longer
 than ``episode_idle_timeout_s`` are dropped; later calls get NOT_FOUND. Episodes sharing ``group_id``
-are held until ``group_size`` have closed, then written as one group.
+are held until ``group_size`` have closed, then written as one group; a group that never fills is
+dropped after twice the idle timeout and counted (``episode_groups_incomplete`` in the buffer stats).
+Episodes are trained on, so they sample the full distribution (no top-p/top-k) and every trajectory
+records its temperature (:data:`tether.trajectory.TEMPERATURE_KEY`) for the learner.
 """
 
 from __future__ import annotations
@@ -26,7 +29,16 @@ from rollout_server.engines.base import FINISH_STOP, SamplingSpec
 from rollout_server.state import ServerState
 from rollout_server.validation import BadRequest, check_length, encode, render_messages, sampling_spec
 from tether.logs import get_logger
-from tether.trajectory import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, GroupData, TrajectoryData
+from tether.trajectory import (
+    LOGPROB_DTYPE,
+    MASK_DTYPE,
+    PROMPT_GROUP_PREFIX,
+    TEMPERATURE_KEY,
+    TOKEN_DTYPE,
+    VERSION_DTYPE,
+    GroupData,
+    TrajectoryData,
+)
 from tether.v1 import rollout_pb2, trajectory_pb2
 
 log = get_logger(__name__)
@@ -96,6 +108,14 @@ class EpisodeStore:
             raise BadRequest("prompt: empty — set text or messages")
         check_length(ids, s.cfg.rollout, max_model_len=e.max_model_len)
         spec = sampling_spec(req.sampling, s.cfg.rollout, n_override=1)
+        if spec.top_p != 1.0 or spec.top_k > 0:
+            key = "top_p" if spec.top_p != 1.0 else "top_k"
+            raise BadRequest(
+                f"sampling.{key}: episodes are trained on, so they sample the full temperature-scaled "
+                "distribution the learner recomputes; leave top_p and top_k unset"
+            )
+        if req.group_id.startswith(PROMPT_GROUP_PREFIX):
+            raise BadRequest(f"group_id: the prefix {PROMPT_GROUP_PREFIX!r} is reserved for prompts-stream groups")
         eid = uuid.uuid4().hex
         self._episodes[eid] = Episode(
             eid, ids, spec, messages, req.group_id or f"episode-{eid}", max(1, req.group_size), dict(req.metadata)
@@ -197,7 +217,13 @@ class EpisodeStore:
             group_id=ep.group_id,
             server_id=self.state.server_id,
             logprob_source=self.state.engine.logprob_source,
-            metadata={**ep.metadata, **req.metadata, "episode_id": ep.id, "turns": str(ep.turns)},
+            metadata={
+                **ep.metadata,
+                **req.metadata,
+                "episode_id": ep.id,
+                "turns": str(ep.turns),
+                TEMPERATURE_KEY: repr(ep.spec.temperature),
+            },
             started_at=ep.started_at,
             finished_at=time.time(),
         )
@@ -228,3 +254,8 @@ class EpisodeStore:
             for gid in [g for g, (t, _) in self._groups.items() if now - t > 2 * self.timeout_s]:
                 _, members = self._groups.pop(gid)
                 log.warning("episode_group_incomplete", group_id=gid, closed=len(members))
+                if self.state.sink is not None:
+                    try:
+                        await self.state.sink.count("episode_groups_incomplete")
+                    except Exception as e:  # Redis away: the log line above still says it
+                        log.warning("episode_group_incomplete_not_counted", group_id=gid, error=str(e))

@@ -37,6 +37,9 @@ class ServerMetrics:
         self.policy_version = Gauge("tether_rollout_policy_version", "Version of the loaded weights", registry=r)
         self.groups = Counter("tether_rollout_groups_written", "Groups written to the buffer", ["source"], registry=r)
         self.reward_failures = Counter("tether_rollout_reward_failures", "Failed reward calls", registry=r)
+        self.aborted_samples = Counter(
+            "tether_rollout_aborted_samples", "Samples that ended aborted (partial; not scored or trained)", registry=r
+        )
         self.dead_lettered = Counter(
             "tether_rollout_dead_lettered", "Groups sent to the dead-letter stream", registry=r
         )

@@ -86,6 +86,10 @@ class BufferSink:
 
         await self._call(write)
 
+    async def count(self, counter: str, n: int = 1) -> None:
+        """Add ``n`` to one of the run's counters (shown by ``buffer_stats`` and ``tether status``)."""
+        await self._call(self.client.hincrby, self.keys.counters, counter, n)
+
     @property
     def source(self) -> str:
         return f"rollout:{self.server_id}"

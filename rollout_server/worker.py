@@ -4,7 +4,9 @@
 batching window merges their groups into one batch. The group id is derived from the prompts-stream
 entry id, so when a prompt is redelivered (this server died after writing but before acking, or
 another server reclaimed it) the buffer's idempotent put drops the duplicate. A prompt is
-acknowledged only after its group is in the buffer or dead-lettered; a prompt whose work is cut off
+acknowledged only after its group is in the buffer or dead-lettered; samples that ended aborted
+(partial tokens: a failed batch, a drain) are not scored — they keep reward 0, are counted
+(``tether_rollout_aborted_samples``) and the learner skips them; a prompt whose work is cut off
 by a drain stays unacknowledged and is reclaimed by another server. While the engine is paused
 (weight update) no new prompt is taken, so nothing sits read-but-idle across an update.
 """
@@ -25,6 +27,8 @@ from tether.logs import get_logger
 from tether.trajectory import (
     LOGPROB_DTYPE,
     MASK_DTYPE,
+    PROMPT_GROUP_PREFIX,
+    TEMPERATURE_KEY,
     TOKEN_DTYPE,
     VERSION_DTYPE,
     GroupData,
@@ -80,7 +84,7 @@ class PromptWorker:
 
     async def _process(self, entry_id: str, prompt: trajectory_pb2.Prompt) -> None:
         s, e, rc = self.state, self.state.engine, self.state.cfg.rollout
-        group_id = f"prompt-{entry_id}"
+        group_id = f"{PROMPT_GROUP_PREFIX}{entry_id}"
         try:
             ids = list(prompt.token_ids) or encode(e.tokenizer, prompt.text)
             check_length(ids, rc, max_model_len=e.max_model_len)
@@ -109,6 +113,7 @@ class PromptWorker:
                 group_id=group_id,
                 server_id=s.server_id,
                 logprob_source=e.logprob_source,
+                metadata={TEMPERATURE_KEY: repr(spec.temperature)},
                 started_at=started,
                 finished_at=time.time(),
             )
@@ -120,10 +125,17 @@ class PromptWorker:
             prompt_id=prompt.prompt_id or entry_id,
             metadata={"dataset_index": str(prompt.dataset_index), "issued_at_version": str(prompt.issued_at_version)},
         )
+        # Aborted samples hold partial tokens: never scored (a reward of a cut-off answer means nothing).
+        scored = [i for i, x in enumerate(samples) if x.finish_reason != trajectory_pb2.FINISH_REASON_ABORTED]
+        if len(scored) < len(samples):
+            s.metrics.aborted_samples.inc(len(samples) - len(scored))
         failure = ""
         for attempt in range(rc.reward_attempts):
             try:
-                scores = await self.reward.score(items)
+                got = await self.reward.score([items[i] for i in scored]) if scored else []
+                scores: list = [(0.0, {}) for _ in samples]
+                for i, score in zip(scored, got, strict=True):
+                    scores[i] = score
                 break
             except RewardError as err:
                 failure = str(err)

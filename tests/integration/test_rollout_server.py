@@ -84,7 +84,7 @@ def forward_logprobs(model, prompt: list[int], completion: list[int]) -> torch.T
 
 def test_generate_returns_tokens_and_logprobs_of_the_model(client: RolloutClient, model) -> None:
     out = client.generate(text="digits:", n=3, max_tokens=16, temperature=1.0)
-    assert out.logprob_source == "raw" and len(out.samples) == 3 and out.prompt_token_ids
+    assert out.logprob_source == "processed" and len(out.samples) == 3 and out.prompt_token_ids
     for s in out.samples:
         assert 0 < len(s.token_ids) == len(s.logprobs) == len(s.policy_versions) <= 16
         assert set(s.policy_versions) == {0}

@@ -63,7 +63,7 @@ def test_vllm_generate_and_stream_match_a_forward_pass(client: RolloutClient, ti
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     out = client.generate(text="digits:", n=3, max_tokens=16, temperature=1.0)
-    assert client.status().engine == "vllm" and out.logprob_source == "raw" and len(out.samples) == 3
+    assert client.status().engine == "vllm" and out.logprob_source == "processed" and len(out.samples) == 3
     for s in out.samples:
         assert 0 < len(s.token_ids) == len(s.logprobs) == len(s.policy_versions) <= 16
         ref = forward_logprobs(model, list(out.prompt_token_ids), list(s.token_ids))
@@ -81,6 +81,28 @@ def test_vllm_generate_and_stream_match_a_forward_pass(client: RolloutClient, ti
     for k in (0, 1):
         ref = forward_logprobs(model, prompt, tokens[k])
         torch.testing.assert_close(torch.tensor(logps[k]), ref, atol=2e-3, rtol=1e-3)
+
+
+def test_vllm_importance_weight_is_one_at_temperature_0_7(client: RolloutClient, tiny_model_dir: Path) -> None:
+    """vLLM's processed log-probs at T = 0.7 against the learner's own path (logits / T from the
+    trajectory's recorded temperature): the importance weight at version lag 0 is 1 within vLLM-CPU's
+    kernel tolerance; the raw T = 1 log-probs (the old convention) are far off."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import learner_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    out = client.generate(text="digits:", n=4, max_tokens=16, temperature=0.7, seed=11)
+    assert out.logprob_source == "processed"
+    prompt = list(out.prompt_token_ids)
+    comps, behaviour = [list(s.token_ids) for s in out.samples], [list(s.logprobs) for s in out.samples]
+    learner = learner_logprobs(model, prompt, comps, behaviour, temperature=0.7)
+    far = 0.0
+    for c, b, got in zip(comps, behaviour, learner, strict=True):
+        weight = torch.exp(got - torch.tensor(b))
+        torch.testing.assert_close(weight, torch.ones_like(weight), atol=5e-3, rtol=0)
+        far = max(far, float((forward_logprobs(model, prompt, c) - torch.tensor(b)).abs().max()))
+    assert far > 0.05
 
 
 def test_vllm_bad_input_pause_resume(client: RolloutClient) -> None:

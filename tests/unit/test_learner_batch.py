@@ -34,3 +34,41 @@ def test_an_all_bad_batch_gives_no_samples() -> None:
         t.reward = math.nan
     samples, skipped = build_samples(groups, current_version=0, norm_by_std=False)
     assert samples == [] and skipped == {"nonfinite_reward": 2}
+
+
+def test_aborted_samples_are_not_trained_and_leave_the_baseline() -> None:
+    from tether.v1.trajectory_pb2 import FINISH_REASON_ABORTED
+
+    groups = make_groups(1, 4, vocab=50, seed=2)
+    groups[0].trajectories[1].finish_reason = FINISH_REASON_ABORTED
+    samples, skipped = build_samples(groups, current_version=0, norm_by_std=False)
+    assert skipped == {"aborted": 1} and len(samples) == 3
+    rewards = groups[0].rewards()[[0, 2, 3]]
+    assert_close(torch.tensor([s.advantage for s in samples]), torch.tensor(rewards - rewards.mean()).float())
+
+
+def test_groups_left_with_one_sample_are_counted() -> None:
+    groups = make_groups(3, 2, vocab=50, seed=3)
+    groups[0].trajectories[0].reward = math.nan  # group 0 keeps one sample
+    groups[2] = type(groups[2])("solo", groups[2].trajectories[:1])  # a group of one from the start
+    samples, skipped = build_samples(groups, current_version=0, norm_by_std=True)
+    assert skipped == {"nonfinite_reward": 1, "single_sample_groups": 2}
+    assert [s.advantage for s in samples if s.group != 1] == [0.0, 0.0]
+
+
+def test_each_sample_carries_the_temperature_it_was_sampled_at() -> None:
+    from tether.trajectory import TEMPERATURE_KEY
+
+    groups = make_groups(1, 6, vocab=50, seed=4)
+    t = groups[0].trajectories
+    for x in t:
+        x.logprob_source = "processed"
+    t[0].metadata = {TEMPERATURE_KEY: "0.7"}
+    t[1].metadata = {}  # not recorded: the configured rollout.temperature
+    t[2].metadata = {TEMPERATURE_KEY: "0.0"}  # greedy: log-probs of T = 1
+    t[3].metadata, t[3].logprob_source = {TEMPERATURE_KEY: "0.7"}, "raw"  # raw log-probs are of T = 1
+    t[4].metadata = {TEMPERATURE_KEY: "hot"}
+    t[5].metadata = {TEMPERATURE_KEY: "-1"}
+    samples, skipped = build_samples(groups, current_version=0, norm_by_std=True, default_temperature=0.5)
+    assert skipped == {"bad_temperature": 2}
+    assert [s.temperature for s in samples] == [0.7, 0.5, 1.0, 1.0]

@@ -70,7 +70,7 @@ def test_group_advantages_match_loop(norm: bool) -> None:
 # ---------- importance weights
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
 @pytest.mark.parametrize("mode", ["truncate", "mask"])
 def test_importance_weights_match_loop(level: str, mode: str) -> None:
     seqs, cap = _seqs(2, 8), 1.5
@@ -80,13 +80,48 @@ def test_importance_weights_match_loop(level: str, mode: str) -> None:
     want = []
     for s in seqs:
         logs = [(p - b) * m for p, b, m in zip(s["prox"], s["beh"], s["mask"], strict=True)]
-        if level == "sequence":
-            mean = sum(logs) / sum(s["mask"])
-            logs = [mean] * len(logs)
+        if level == "sequence":  # the product of the token ratios
+            logs = [sum(logs)] * len(logs)
+        elif level == "geometric":  # their geometric mean
+            logs = [sum(logs) / sum(s["mask"])] * len(logs)
         for lw in logs:
             w = math.exp(lw)
             want.append(min(w, cap) if mode == "truncate" else (0.0 if w > cap else w))
     assert_close(got, torch.tensor(want, dtype=torch.float64))
+
+
+def _verl_rollout_is(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold: float) -> torch.Tensor:
+    """verl's ``compute_rollout_correction_weights`` (trainer/ppo/rollout_corr_helper.py) on padded
+    [B, T] tensors, without batch normalisation: token = exp(clamp(r)); sequence = exp(clamp(Σ masked r)),
+    broadcast; then zeroed on padding and truncated at the threshold."""
+    bound = 20.0  # verl's SAFETY_BOUND
+    if level == "token":
+        w = torch.exp(log_ratio.clamp(-bound, bound))
+    else:
+        total = (log_ratio * mask).sum(-1, keepdim=True)
+        w = torch.exp(total.clamp(-bound, bound)).expand_as(log_ratio)
+    return (w * mask).clamp(max=threshold)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_importance_weights_match_verl(level: str, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 12, (6,), generator=g).tolist()
+    width = max(lengths)
+    prox = -torch.rand(6, width, generator=g, dtype=torch.float64) * 3
+    beh = prox + (torch.rand(6, width, generator=g, dtype=torch.float64) - 0.5) * 0.4
+    mask = (torch.rand(6, width, generator=g) > 0.2).double()
+    for i, n in enumerate(lengths):
+        mask[i, n:] = 0.0
+        mask[i, 0] = 1.0
+    want = _verl_rollout_is(prox - beh, mask, level, threshold=1.3)
+    flat = [(i, j) for i, n in enumerate(lengths) for j in range(n)]
+    pick = lambda t: torch.stack([t[i, j] for i, j in flat])  # noqa: E731 - packed layout, as the learner's
+    got, _ = importance_weights(
+        pick(prox), pick(beh), torch.tensor([i for i, _ in flat]), pick(mask), cap=1.3, level=level, mode="truncate"
+    )
+    assert_close(got * pick(mask), pick(want))
 
 
 # ---------- aggregation
@@ -139,15 +174,17 @@ def _ref_policy(seqs, st: LossSettings):
     per_tok, kl_tok = [], []
     for s in seqs:
         lt, kt = [], []
-        if st.tis_level == "sequence":
-            mean = sum((p - b) * m for p, b, m in zip(s["prox"], s["beh"], s["mask"], strict=True)) / sum(s["mask"])
+        if st.tis_level != "token":
+            total = sum((p - b) * m for p, b, m in zip(s["prox"], s["beh"], s["mask"], strict=True))
+            # sequence: verl's product of token ratios, exp(clamp(sum log r, ±20)); geometric: their mean
+            mean = max(-20.0, min(20.0, total)) if st.tis_level == "sequence" else total / sum(s["mask"])
         for cur, prox, beh, ref, m in zip(s["cur"], s["prox"], s["beh"], s["ref"], s["mask"], strict=True):
             a = s["adv"]
             ratio = math.exp(cur - prox)
             pg = max(-a * ratio, -a * min(max(ratio, 1 - st.clip_ratio_low), 1 + st.clip_ratio_high))
             if a < 0:
                 pg = min(pg, -a * st.clip_ratio_c)
-            w = math.exp(mean if st.tis_level == "sequence" else (prox - beh) * m)
+            w = math.exp(mean if st.tis_level != "token" else (prox - beh) * m)
             w = min(w, st.tis_imp_ratio_cap) if st.tis_mode == "truncate" else (0.0 if w > st.tis_imp_ratio_cap else w)
             lt.append(pg * w)
             if st.kl_loss_type == "k1":
@@ -171,6 +208,8 @@ def _ref_policy(seqs, st: LossSettings):
         ("token", "truncate"),
         ("sequence", "mask"),
         ("sequence", "truncate"),
+        ("geometric", "mask"),
+        ("geometric", "truncate"),
         ("token", "mask"),
     ],
 )

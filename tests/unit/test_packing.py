@@ -61,6 +61,28 @@ def test_micro_batch_logprobs_equal_unpadded_per_sequence(attn: str, packed: boo
     assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_per_token_temperature_scales_each_sequence_logits(packed: bool) -> None:
+    """Log-probs and entropy of softmax(logits / T) with each sequence's own T (verl's actor convention)."""
+    model, samples = _model("sdpa"), _samples(3, seed=5)
+    for s, t in zip(samples, (0.7, 1.0, 1.6), strict=True):
+        s.temperature = t
+    mb = make_micro_batch(samples, [0, 1, 2], packed=packed)
+    with torch.no_grad():
+        temperature = per_token(samples, [0, 1, 2], "temperature")
+        got, ent = forward_micro_batch(
+            model, mb, device=torch.device("cpu"), with_entropy=True, temperature=temperature
+        )
+        want, want_ent = [], []
+        for s in samples:
+            ids = torch.from_numpy(s.input_ids.astype(np.int64))[None]
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, s.prompt_len - 1 : -1].double() / s.temperature, -1)
+            want.append(logp.gather(-1, ids[0, s.prompt_len :, None]).squeeze(-1).float())
+            want_ent.append(-(logp.exp() * logp).sum(-1).float())
+    assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-5)
+    assert_close(ent, torch.cat(want_ent), atol=1e-5, rtol=1e-5)
+
+
 def test_packed_row_has_restarting_positions_and_no_padding() -> None:
     samples = _samples(3)
     mb = make_micro_batch(samples, [0, 1, 2], packed=True)

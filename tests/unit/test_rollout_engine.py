@@ -32,7 +32,7 @@ def forward_logprobs(model: torch.nn.Module, prompt: list[int], completion: list
     return logp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
 
 
-async def test_logprobs_match_forward_pass_across_a_padded_batch(engine) -> None:
+async def test_logprobs_match_forward_pass_across_a_padded_batch(engine) -> None:  # at temperature 1
     prompts = [engine.tokenizer("digits:")["input_ids"], engine.tokenizer("a much longer prompt here")["input_ids"]]
     outs = await asyncio.gather(*(engine.generate(p, SamplingSpec(n=2, max_tokens=12, seed=1)) for p in prompts))
     for prompt, samples in zip(prompts, outs, strict=True):
@@ -42,6 +42,40 @@ async def test_logprobs_match_forward_pass_across_a_padded_batch(engine) -> None
             assert s.finish_reason in (FINISH_STOP, FINISH_LENGTH)
             ref = forward_logprobs(engine.model, prompt, s.token_ids)
             torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-4, rtol=1e-4)
+
+
+async def test_importance_weight_is_one_at_temperature_0_7(engine) -> None:
+    """Version lag 0, T = 0.7: the learner's log-probs (its own path, temperature from the trajectory) equal
+    the behaviour log-probs, so exp(learner - behaviour) = 1; the raw T = 1 log-probs would not."""
+    from tests.helpers import learner_logprobs
+
+    prompt = engine.tokenizer("digits:")["input_ids"]
+    samples = await engine.generate(prompt, SamplingSpec(n=4, max_tokens=16, temperature=0.7, seed=3))
+    assert engine.logprob_source == "processed"
+    comps, behaviour = [s.token_ids for s in samples], [s.logprobs for s in samples]
+    learner = learner_logprobs(engine.model, prompt, comps, behaviour, temperature=0.7)
+    for s, got in zip(samples, learner, strict=True):
+        weight = torch.exp(got - torch.tensor(s.logprobs))
+        torch.testing.assert_close(weight, torch.ones_like(weight), atol=1e-4, rtol=0)
+        # the reference: one plain forward pass, logits / 0.7
+        with torch.no_grad():
+            logits = engine.model(torch.tensor([prompt + s.token_ids])).logits[0, len(prompt) - 1 : -1].float()
+        ref = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-4, rtol=1e-4)
+    # The old convention (raw T = 1 log-probs) is measurably another distribution here.
+    raw = [forward_logprobs(engine.model, prompt, c) for c in comps]
+    assert max(float((r - torch.tensor(b)).abs().max()) for r, b in zip(raw, behaviour, strict=True)) > 0.05
+
+
+async def test_greedy_logprobs_are_of_temperature_1(engine) -> None:
+    from tests.helpers import learner_logprobs
+
+    prompt = engine.tokenizer("greedy")["input_ids"]
+    (s,) = await engine.generate(prompt, SamplingSpec(n=1, max_tokens=8, temperature=0.0))
+    torch.testing.assert_close(torch.tensor(s.logprobs), forward_logprobs(engine.model, prompt, s.token_ids),
+                               atol=1e-4, rtol=1e-4)  # fmt: skip
+    (got,) = learner_logprobs(engine.model, prompt, [s.token_ids], [s.logprobs], temperature=0.0)
+    torch.testing.assert_close(got, torch.tensor(s.logprobs), atol=1e-4, rtol=1e-4)
 
 
 async def test_requests_close_together_share_a_batch(engine) -> None:

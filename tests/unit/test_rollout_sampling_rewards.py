@@ -13,14 +13,36 @@ def _params(rows: list[tuple[float, float, int, int | None]]) -> RowParams:
     return RowParams.build(rows, torch.device("cpu"))
 
 
-def test_logprobs_are_raw_log_softmax_whatever_the_temperature() -> None:
+def _processed_reference(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """log-probs [V] of the distribution sampled from, row by row: softmax(logits / T) restricted to the top-k,
+    then to the smallest prefix (by probability) whose mass reaches top_p, renormalised; T = 0: T = 1."""
+    z = logits / (temperature if temperature > 0 else 1.0)
+    if temperature > 0:
+        order = z.argsort(descending=True)
+        keep = torch.zeros_like(z, dtype=torch.bool)
+        mass, probs = 0.0, torch.softmax(z.masked_fill(z < z[order[top_k - 1]], float("-inf")) if top_k > 0 else z, -1)
+        for rank, v in enumerate(order.tolist()):
+            if (top_k > 0 and rank >= top_k) or mass >= top_p:
+                break
+            keep[v], mass = True, mass + float(probs[v])
+        z = z.masked_fill(~keep, float("-inf"))
+    return torch.log_softmax(z, -1)
+
+
+def test_logprobs_are_of_the_processed_distribution() -> None:
     torch.manual_seed(0)
-    logits = torch.randn(4, 50)
-    tokens, logps = sample(
-        logits, _params([(0.7, 0.9, 0, None), (1.0, 1.0, -1, 3), (0.0, 1.0, 0, None), (2.0, 0.5, 5, 1)])
-    )
-    expected = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
-    torch.testing.assert_close(logps, expected)
+    logits = torch.randn(5, 50) * 3
+    rows = [(0.7, 1.0, -1, None), (1.0, 1.0, -1, 3), (0.0, 1.0, 0, None), (2.0, 0.5, 5, 1), (0.5, 0.8, 0, 2)]
+    for _ in range(20):  # many draws: tokens deep in the support too
+        tokens, logps = sample(logits, _params(rows))
+        for i, (t, p, k, _) in enumerate(rows):
+            want = _processed_reference(logits[i], t, p, k)[tokens[i]]
+            torch.testing.assert_close(logps[i], want, atol=1e-5, rtol=1e-5)
+    # Temperature 0.7 without truncation is exactly log_softmax(logits / 0.7), not the raw (T = 1) log-probs.
+    tokens, logps = sample(logits[:1].repeat(200, 1), _params([rows[0]] * 200))
+    scaled = torch.log_softmax(logits[0] / 0.7, -1)[tokens]
+    torch.testing.assert_close(logps, scaled, atol=1e-5, rtol=1e-5)
+    assert (logps - torch.log_softmax(logits[0], -1)[tokens]).abs().max() > 0.1
 
 
 def test_greedy_top_k_1_and_tiny_top_p_pick_the_argmax() -> None:

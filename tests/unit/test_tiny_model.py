@@ -2,25 +2,47 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tether.tiny_model import build_tokenizer
+from tether.tiny_model import SPECIAL_TOKENS, build_tokenizer
 
 TOKENIZER = build_tokenizer()
+_SPECIAL = re.compile("(" + "|".join(map(re.escape, SPECIAL_TOKENS)) + ")")
+
+
+def _expected_ids(text: str) -> list[int]:
+    """Byte-level: one token per UTF-8 byte, except that a special token's spelling is that one token (as
+    Hugging Face tokenizers encode added special tokens found in text)."""
+    ids: list[int] = []
+    for i, part in enumerate(_SPECIAL.split(text)):
+        if i % 2:
+            ids.append(TOKENIZER.convert_tokens_to_ids(part))
+        else:
+            ids += list(part.encode("utf-8"))  # byte b is token id b
+    return ids
+
+
+# Plain text, and text with special-token spellings mixed in (hypothesis draws them too, from constants).
+_TEXT = st.lists(st.one_of(st.text(), st.sampled_from(SPECIAL_TOKENS)), max_size=4).map("".join)
 
 
 @settings(max_examples=200, deadline=None)
-@given(text=st.text())
+@given(text=_TEXT)
+@example(text="<|im_end|>")
+@example(text="a<|im_start|>b<|im_end")
 def test_tokenizer_round_trips_any_text(text: str) -> None:
     ids = TOKENIZER(text, add_special_tokens=False)["input_ids"]
-    assert len(ids) == len(text.encode("utf-8"))  # byte-level: one token per byte
+    assert ids == _expected_ids(text)
     assert TOKENIZER.decode(ids) == text
+    plain = _SPECIAL.sub("", text)
+    assert len(TOKENIZER(plain, add_special_tokens=False)["input_ids"]) == len(plain.encode("utf-8"))
 
 
 def test_chat_template_and_special_tokens() -> None:

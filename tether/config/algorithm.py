@@ -41,8 +41,9 @@ class AlgorithmConfig(Section):
     tis_imp_ratio_cap: float = Field(default=2.0, gt=0)
     """Cap on the importance weight proximal / behaviour (truncated importance sampling)."""
 
-    tis_level: Literal["token", "sequence"] = "token"
-    """Importance weights per token or one (geometric mean) per sequence."""
+    tis_level: Literal["token", "sequence", "geometric"] = "token"
+    """Importance weights per token; ``sequence``: one per sequence, the product of its token ratios
+    (verl's ``rollout_is: sequence``); ``geometric``: one per sequence, their geometric mean."""
 
     tis_mode: Literal["truncate", "mask"] = "truncate"
     """``truncate``: weights above the cap are set to the cap; ``mask``: those tokens are dropped."""

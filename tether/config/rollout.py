@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tether.config.base import Section
 
@@ -110,13 +110,16 @@ class RolloutConfig(Section):
     """Samples per prompt: the GRPO group size G (verl: ``rollout.n``)."""
 
     temperature: float = Field(default=1.0, ge=0)
-    """Sampling temperature; keep 1.0 for RL so behaviour log-probs match the policy."""
+    """Sampling temperature of training rollouts. Behaviour log-probs are of ``softmax(logits / T)`` and
+    the learner divides its logits by the same T (verl's convention), recorded per trajectory. 0 is
+    greedy: log-probs of the T = 1 distribution on both sides (every sample of a group is the same)."""
 
     top_p: float = Field(default=1.0, gt=0, le=1)
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass of training rollouts: must stay 1.0 (see ``_full_distribution``);
+    evaluation-only Generate requests may set their own."""
 
     top_k: int = Field(default=-1, ge=-1)
-    """Top-k sampling; -1 disables it."""
+    """Top-k of training rollouts: must stay -1 or 0 (disabled); Generate requests may set their own."""
 
     max_tokens: int = Field(default=256, gt=0)
     """Most completion tokens per sample (per turn for episodes)."""
@@ -173,6 +176,19 @@ class RolloutConfig(Section):
     reward_attempts: int = Field(default=2, gt=0)
     """Times a group's scoring is attempted (each with the reward's own retries) before the group is
     dead-lettered and its prompt acknowledged."""
+
+    @field_validator("top_p", "top_k")
+    @classmethod
+    def _full_distribution(cls, value: float, info) -> float:
+        # The learner recomputes log-probs of softmax(logits / T) over the whole vocabulary; a truncated
+        # sampling distribution would make every importance weight and PPO ratio of the wrong quantity.
+        if (info.field_name == "top_p" and value != 1.0) or (info.field_name == "top_k" and value > 0):
+            default = "1.0" if info.field_name == "top_p" else "-1"
+            raise ValueError(
+                "refused: training rollouts sample the full temperature-scaled distribution the "
+                f"learner recomputes; keep {default} (top-p/top-k may be set per Generate request for evaluation)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _tls_pair(self) -> RolloutConfig:
