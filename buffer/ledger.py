@@ -201,7 +201,7 @@ def lifetimes(client: redis.Redis, keys: RedisKeys) -> list[dict]:
     return [json.loads(raw) for raw in client.lrange(keys.lifetimes, 0, -1)]
 
 
-BOOK_TERMS = ("acknowledged", "dropped_stale", "dead_letter", "lost_in_restart")
+BOOK_TERMS = ("acknowledged", "dropped_stale", "dropped_stale_env", "dead_letter", "lost_in_restart")
 """Where every produced group ends: produced = Σ these + groups still in the stream."""
 
 
@@ -237,7 +237,8 @@ def format_books(report: dict) -> list[str]:
     """The books as a person reads them (``tether status`` and the end of ``tether up`` print these)."""
     b = report["run"]
     lines = [
-        f"books: produced {b['produced']} = trained {b['acknowledged']} + dropped stale {b['dropped_stale']} + "
+        f"books: produced {b['produced']} = trained {b['acknowledged']} + dropped stale "
+        f"{b['dropped_stale'] + b['dropped_stale_env']} + "
         f"dead-lettered {b['dead_letter']} + lost in restarts {b['lost_in_restart']} + in the buffer "
         f"{b['in_stream']}  ({'balanced' if b['balanced'] else 'NOT BALANCED'})",
         f"prompts: issued {b['prompts_issued']}, reissued after a restart {b['prompts_reissued']}, "
