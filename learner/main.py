@@ -92,7 +92,7 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
     from buffer import ServerRegistry, publish_version, read_version
     from weight_sync.sender import WeightSender
 
-    client = feed = live = None
+    client = feed = live = evaluator = None
     metrics: MetricsLogger = build_metrics(paths.root, rank=rank, tensorboard=cfg.run.tensorboard)
     if rank == 0:
         from tether.redis_server import connect_redis
@@ -105,6 +105,11 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
             publish_version(client, feed.keys, state.version)
         live = LiveStatus(client=client, key=feed.keys.learner, port=lc.metrics_port, total_steps=lc.total_steps,
                           start_step=state.step)  # fmt: skip
+        if lc.val_data_path:
+            from learner.evaluation import Evaluator
+
+            evaluator = Evaluator(cfg, client, feed.keys, metrics)
+            evaluator.maybe_start(state.step, state.version)  # val_before_train
     registry = ServerRegistry(client, feed.keys) if rank == 0 else None
     sender = WeightSender(cfg, model=model, rank=rank, world_size=world, registry=registry)
     profiler = StepProfiler(lc.profile.steps, paths.root / "profile", rank)
@@ -160,11 +165,16 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
             if rank == 0:
                 metrics.log(out, step=state.step)
                 live.update(state.step, state.version, out)
+                if evaluator is not None:  # asynchronous: results of earlier rounds are logged as they arrive
+                    evaluator.poll()
+                    evaluator.maybe_start(state.step, state.version)
             if lc.checkpoint_every and state.step % lc.checkpoint_every == 0:
                 _sync_position(state, device)
                 save_checkpoint(paths.checkpoints, model=model, optimizer=trainer.optimizer,
                                 scheduler=trainer.scheduler, state=state)  # fmt: skip
                 saved_at = state.step
+        if code == 0 and evaluator is not None:
+            evaluator.finish()
         if code == 0 and saved_at != state.step:
             _sync_position(state, device)
             save_checkpoint(paths.checkpoints, model=model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
