@@ -2,17 +2,23 @@
 
 ``tether make-tiny-model DIR --warm-start addition`` builds the tiny model, then trains it on CPU with
 teacher forcing on the task's *training* split (loss on the answer and end-of-text tokens only) until
-its held-out accuracy reaches ``target`` or ``steps`` run out, and saves it in place. Stopping at a
-target rather than after a fixed number of steps gives the same starting point on fast and slow
-machines: partly right (the default aims at ~30 % sampled accuracy), so RL has something to raise.
+its *greedy* held-out accuracy reaches ``target`` or ``steps`` run out, and saves it in place (with
+``warm_start.json``, written last, recording how it went). Stopping at a target rather than after a fixed
+number of steps gives the same starting point on fast and slow machines.
 
-Held-out accuracy here is the same quantity the learner's evaluation reports as ``val/mean@k``: exact
-match of completions sampled at ``temperature`` on the held-out split (``demo_rows(split="val")``).
+The cross-entropy uses label smoothing (0.2 by default): the model learns which answer is right but
+spreads probability over the rest, so its greedy answer is usually right (~80 %) while only ~30 % of the
+completions it *samples* at temperature 1 are exact. That is the starting point RL post-training of LMs
+typically faces — competence that sampling does not yet express reliably — and the one the learner's
+evaluation measures (``val/mean@k``: exact match of samples at ``val_temperature`` 1 on held-out pairs).
+So on ``configs/addition.yaml`` RL's gain is mostly sharpening the policy toward answers it can already
+rank first, plus some genuine correction; the greedy accuracy recorded here says how much of each.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 import time
 from pathlib import Path
@@ -75,7 +81,7 @@ def warm_start(
     model_dir: str | Path,
     *,
     task: str = "addition",
-    target: float = 0.85,
+    target: float = 0.8,
     steps: int = 4000,
     label_smoothing: float = 0.25,
     batch_size: int = 128,
@@ -93,14 +99,17 @@ def warm_start(
         raise ValueError(f"--warm-start: unknown task {task!r}; known: {', '.join(WARM_START_TASKS)}")
     if not 0 < target <= 1:
         raise ValueError(f"--warm-start-target: {target} is not in (0, 1]")
+    if steps < 1:
+        raise ValueError(f"--warm-start-steps: {steps} must be at least 1")
     out = out or sys.stderr
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rows = demo_rows(task, seed=seed, split="train")
-    acc, started = 0.0, time.monotonic()
+    acc = greedy = 0.0
+    started = time.monotonic()
     for step in range(1, steps + 1):
         ids, mask, labels = _batch(tokenizer, list(itertools.islice(rows, batch_size)))
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
@@ -120,4 +129,7 @@ def warm_start(
             if greedy >= target:
                 break
     model.save_pretrained(model_dir, safe_serialization=True)
+    record = {"task": task, "steps": step, "heldout_accuracy_sampled": acc, "heldout_accuracy_greedy": greedy,
+              "label_smoothing": label_smoothing, "seconds": round(time.monotonic() - started, 1)}  # fmt: skip
+    (Path(model_dir) / "warm_start.json").write_text(json.dumps(record, indent=1))  # written last: "done"
     return acc
