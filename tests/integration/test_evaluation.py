@@ -8,6 +8,7 @@ books. Without a server a round is closed by its timeout with every prompt count
 
 from __future__ import annotations
 
+import io
 import time
 import uuid
 from pathlib import Path
@@ -21,6 +22,7 @@ from rollout_server.launch import ServerProcess, spawn_server
 from tether.config import load_config
 from tether.metrics import JsonlMetrics, read_metrics
 from tether.redis_server import free_port
+from tether.status import show_status
 
 pytestmark = pytest.mark.slow
 N_PROMPTS, K = 6, 3
@@ -83,7 +85,9 @@ def test_a_round_is_scored_by_the_server_and_stays_out_of_the_books(
     assert buffer_stats(client, keys) == before | {"buffer/oldest_age_s": 0.0}
     assert client.xlen(keys.trajectories) == 0
     assert client.xlen(keys.val_prompts) == 0 and client.xlen(keys.val_results) == 0
-    assert client.hget(keys.learner, "val_step") == b"5"  # for `tether status`
+    out = io.StringIO()
+    assert show_status(_cfg(redis_server, run_id), out=out, interval_s=0.01) == 0
+    assert f"validation (step 5): mean@{K} {m['val/mean@k']:.3f}   pass@{K} {m['val/pass@k']:.3f}" in out.getvalue()
     client.close()
 
 
