@@ -6,7 +6,7 @@ its *greedy* held-out accuracy reaches ``target`` or ``steps`` run out, and save
 ``warm_start.json``, written last, recording how it went). Stopping at a target rather than after a fixed
 number of steps gives the same starting point on fast and slow machines.
 
-The cross-entropy uses label smoothing (0.2 by default): the model learns which answer is right but
+The cross-entropy uses label smoothing (0.25 by default): the model learns which answer is right but
 spreads probability over the rest, so its greedy answer is usually right (~80 %) while only ~30 % of the
 completions it *samples* at temperature 1 are exact. That is the starting point RL post-training of LMs
 typically faces — competence that sampling does not yet express reliably — and the one the learner's

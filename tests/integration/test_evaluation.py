@@ -20,7 +20,7 @@ from buffer import RedisKeys, buffer_stats
 from learner.evaluation import Evaluator
 from rollout_server.launch import ServerProcess, spawn_server
 from tether.config import load_config
-from tether.metrics import JsonlMetrics, read_metrics
+from tether.metrics import JsonlMetrics, MetricsLogger, read_metrics
 from tether.redis_server import free_port
 from tether.status import show_status
 
@@ -104,4 +104,32 @@ def test_a_round_without_servers_times_out_with_every_prompt_missing(redis_url: 
     (row,) = read_metrics(tmp_path / "metrics.jsonl")
     assert row["step"] == 0 and row["val/missing"] == N_PROMPTS and row["val/prompts"] == 0
     assert "val/mean@k" not in row
+    client.close()
+
+
+def test_evaluation_goes_ahead_of_queued_training_prompts(
+    server: ServerProcess, redis_server: str, run_id: str, tmp_path: Path
+) -> None:
+    from buffer import PromptQueue
+    from tether.tasks import demo_rows
+    from tether.v1.trajectory_pb2 import Prompt
+
+    client = redis.Redis.from_url(redis_server)
+    keys = RedisKeys(run_id)
+    queued = 30
+    rows = [Prompt(prompt_id=f"t{i}", dataset_index=i, text=r["prompt"], reward_context={"answer": r["answer"]})
+            for i, r in zip(range(queued), demo_rows(seed=4), strict=False)]  # fmt: skip
+    assert PromptQueue(client, keys).feed(iter(rows), version=0, prompts_per_version=100, max_staleness=0) == queued
+    evaluator = Evaluator(_cfg(redis_server, run_id, val_before_train=True), client, keys, MetricsLogger())
+    evaluator.maybe_start(0, 0)
+    done: list[dict[str, float]] = []
+    deadline = time.monotonic() + 180
+    while not done and time.monotonic() < deadline:
+        done = evaluator.poll()
+        time.sleep(0.1)
+    assert done and done[0]["val/missing"] == 0
+    # Two prompt workers: at most the training prompts they already held (plus one each they may have
+    # taken while the round was being written) were done first; the rest still wait behind evaluation.
+    assert client.xlen(keys.prompts) >= queued - 4
+    client.delete(keys.prompts)  # leave the server idle for the module's teardown
     client.close()
