@@ -9,7 +9,7 @@ wall-clock, final accuracy, wall time, and training samples/s; the ratio of each
 samples/s to the synchronous run *of the same seed*, mean ± std over seeds. A PNG plots accuracy over
 steps and over wall-clock (mean line, ± std band).
 
-    python bench/learning.py                       # 4 modes x 3 seeds; ~10 minutes per run on 2 CPU cores
+    python bench/learning.py                       # 4 modes x 3 seeds; about a minute per run on 2 CPU cores
     python bench/learning.py --model .cache/tiny-addition --seeds 5
     python bench/learning.py --quick               # a smoke run (tiny, untrained model: accuracy ~0)
 """
@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a short smoke run (untrained tiny model)")
     parser.add_argument("--modes", default="0,1,2,4", help="max_staleness values; 0 (sync) is the baseline")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=16, help="prompts per learner step")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
     parser.add_argument("--test-freq", type=int, default=10)
