@@ -86,9 +86,12 @@ def report(results: dict[int, list[dict]], args: argparse.Namespace) -> str:
     modes = sorted(results)
     steps = sorted(set.intersection(*(set(r["val"]) for runs in results.values() for r in runs)))
     lines = [f"held-out accuracy ({VAL_KEY}, mean±std over {len(results[modes[0]])} seeds) by learner step"]
-    lines.append(f"{'step':>6}" + "".join(f"{'staleness ' + str(m):>16}" for m in modes))
+    lines.append("(@ the mean wall-clock seconds since the start of step 1 at which that step ended)")
+    lines.append(f"{'step':>6}" + "".join(f"{'staleness ' + str(m):>22}" for m in modes))
     for step in steps:
-        lines.append(f"{step:>6}" + "".join(f"{fmt([r['val'][step] for r in results[m]]):>16}" for m in modes))
+        at = {m: statistics.fmean(r["val_time"][step] for r in results[m]) for m in modes}
+        cells = [f"{fmt([r['val'][step] for r in results[m]])} @{at[m]:.0f}s" for m in modes]
+        lines.append(f"{step:>6}" + "".join(f"{c:>22}" for c in cells))
     lines.append("")
     lines.append(f"{'mode':<16}{'final acc':>14}{'wall s':>14}{'samples/s':>14}{'vs sync':>14}{'staleness':>10}")
     sync = results.get(0)
@@ -148,7 +151,7 @@ def main() -> None:
     parser.add_argument("--test-freq", type=int, default=10)
     parser.add_argument("--val-prompts", type=int, default=128)
     parser.add_argument("--skip", type=int, default=3, help="steps excluded from samples/s (start-up)")
-    parser.add_argument("--model", type=Path, help="warm-started model (default: make one, ~2 minutes)")
+    parser.add_argument("--model", type=Path, help="warm-started model (default: .cache/tiny-addition, else a new one)")
     parser.add_argument("--png", type=Path, default=Path("bench-learning.png"))
     parser.add_argument("--json", type=Path, help="also write the per-run results here")
     parser.add_argument("--out", type=Path, help="keep the run folders here (default: a temporary folder)")
@@ -166,6 +169,9 @@ def main() -> None:
         out = args.out or Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
         model = args.model
+        cached = REPO / ".cache" / "tiny-addition"
+        if model is None and not args.quick and (cached / "warm_start.json").exists():
+            model = cached  # what `make demo-addition` made
         if model is None:
             from tether.tiny_model import make_tiny_model
 
