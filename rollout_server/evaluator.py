@@ -43,19 +43,32 @@ class Evaluator:
             return False
         for item in items:
             try:
-                await self.sink.finish_val(item, await self._run(item))
+                try:
+                    result = await self._run(item)
+                except redis.RedisError:
+                    raise
+                except Exception as err:  # the engine failed this prompt: report it (counted missing)...
+                    if self.state.draining:  # ...unless this server is going away: another one redoes it
+                        log.info("val_left_for_another_server", entry_id=item.entry_id, error=repr(err))
+                        continue
+                    log.error("val_failed", entry_id=item.entry_id, error=repr(err))
+                    result = self._result(item, error=f"generation failed: {err!r}"[:500])
+                await self.sink.finish_val(item, result)
                 self.done += 1
                 self.state.metrics.groups.labels("validation").inc()
             except redis.RedisError as e:  # left pending: reclaimed after claim_idle_ms
                 log.warning("val_failed_redis", entry_id=item.entry_id, error=str(e))
         return bool(items)
 
-    async def _run(self, item):
+    def _result(self, item, *, error: str = ""):
         from buffer.validation import ValResult
 
+        return ValResult(round=item.round, index=int(item.prompt.dataset_index), version=item.version,
+                         server_id=self.state.server_id, error=error)  # fmt: skip
+
+    async def _run(self, item):
         e, rc = self.state.engine, self.state.cfg.rollout
-        result = ValResult(round=item.round, index=int(item.prompt.dataset_index), version=item.version,
-                           server_id=self.state.server_id)  # fmt: skip
+        result = self._result(item)
         deadline = time.monotonic() + VERSION_WAIT_S
         while e.policy_version < item.version and time.monotonic() < deadline and not self.state.draining:
             await asyncio.sleep(0.05)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +68,56 @@ def test_mean_at_k_weighs_prompts_equally_when_sample_counts_differ() -> None:
 def test_a_round_with_no_results_reports_only_missing() -> None:
     m = summarize([], k=2, expected=7)
     assert m == {"val/k": 2.0, "val/prompts": 0.0, "val/missing": 7.0}
+
+
+# --- configuration and the evaluation set ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--learner.test_freq", "5"], "set learner.val_data_path"),
+        (["--learner.val_before_train", "true"], "set learner.val_data_path"),
+        (["--learner.val_data_path", "demo:chess"], "val_data_path: unknown demo task 'chess'"),
+        (["--learner.val_data_path", "demo:addition", "--learner.val_n", "4"], "learner.val_temperature > 0"),
+        (["--learner.val_n", "0"], "val_n"),
+    ],
+)
+def test_bad_evaluation_config_names_the_key(overrides: list[str], message: str) -> None:
+    from tether.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, overrides)
+
+
+def test_jsonl_evaluation_set_keeps_its_rows_and_caps_them(tmp_path: Path) -> None:
+    from learner.evaluation import load_val_prompts
+    from tether.config import load_config
+
+    path = tmp_path / "val.jsonl"
+    path.write_text("".join(json.dumps({"q": f"{i}+{i}=", "answer": str(2 * i), "level": i}) + "\n" for i in range(5)))
+    cfg = load_config(None, ["--learner.val_data_path", str(path), "--learner.prompt_key", "q",
+                             "--learner.val_max_prompts", "3"])  # fmt: skip
+    prompts = load_val_prompts(cfg)
+    assert [p.text for p in prompts] == ["0+0=", "1+1=", "2+2="]
+    assert [p.dataset_index for p in prompts] == [0, 1, 2]  # the index a result is matched back by
+    assert dict(prompts[2].reward_context) == {"answer": "4", "level": "2"}
+
+
+def test_bad_jsonl_evaluation_set_names_val_data_path(tmp_path: Path) -> None:
+    from learner.evaluation import load_val_prompts
+    from tether.config import load_config
+
+    path = tmp_path / "val.jsonl"
+    path.write_text('{"prompt": "ok"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"^learner\.val_data_path: .*:2 is not JSON"):
+        load_val_prompts(load_config(None, ["--learner.val_data_path", str(path)]))
+
+
+def test_demo_evaluation_set_is_the_heldout_split() -> None:
+    from learner.evaluation import load_val_prompts
+    from tether.config import load_config
+    from tether.tasks import addition_split
+
+    prompts = load_val_prompts(load_config(None, ["--learner.val_data_path", "demo:addition"]))
+    assert len(prompts) == 128
+    pairs = [tuple(int(x) for x in p.text.removesuffix("=").split("+")) for p in prompts]
+    assert all(addition_split(a, b) == "val" for a, b in pairs)
