@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: install install-test demo test test-gpu lint protos check-protos bench clean
+.PHONY: install install-test demo demo-addition test test-gpu lint protos check-protos bench clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,16 @@ install-test: $(VENV)/.vllm
 
 demo: install .cache/tiny-demo/config.json
 	$(VENV)/bin/tether up --config configs/demo.yaml
+
+# The second demo: two-digit addition, where RL must raise the held-out accuracy of a warm-started model.
+# The warm start (a few minutes of supervised training on CPU) writes warm_start.json last, so an
+# interrupted one is redone.
+.cache/tiny-addition/warm_start.json: | install
+	rm -rf .cache/tiny-addition
+	$(VENV)/bin/tether make-tiny-model .cache/tiny-addition --warm-start addition
+
+demo-addition: install .cache/tiny-addition/warm_start.json
+	$(VENV)/bin/tether up --config configs/addition.yaml
 
 # pytest exits 5 when a marker selection collects nothing: that is not a failure here.
 test: install-test

@@ -14,6 +14,9 @@ PROMPT_GROUP = "rollout"
 LEARNER_GROUP = "learner"
 """Consumer group of the learner on the trajectories stream."""
 
+VALIDATION_GROUP = "rollout-val"
+"""Consumer group of the rollout servers on the validation prompts stream."""
+
 
 @dataclass(frozen=True)
 class RedisKeys:
@@ -75,6 +78,17 @@ class RedisKeys:
     def seen(self, group_id: str) -> str:
         """Idempotency marker of a group id (SET NX with a TTL), so a retried insert is a no-op."""
         return self.prefix + "seen:" + group_id
+
+    @property
+    def val_prompts(self) -> str:
+        """Stream of evaluation prompts (held-out, at a given policy version): apart from ``prompts`` so
+        evaluation is never under admission control nor in the training books (``buffer.validation``)."""
+        return self.prefix + "val_prompts"
+
+    @property
+    def val_results(self) -> str:
+        """Stream of scored evaluation samples, one entry per prompt; read and deleted by learner rank 0."""
+        return self.prefix + "val_results"
 
     @property
     def learner(self) -> str:

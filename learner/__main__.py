@@ -26,6 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.run.run_id is None:
         print("learner: run.run_id is empty; every process of a run must share one", file=sys.stderr)
         return 2
+    val = cfg.learner.val_data_path
+    if val and not val.startswith("demo:"):
+        from pathlib import Path
+
+        if not Path(val).is_file():
+            print(f"learner: learner.val_data_path: {val} does not exist (a JSONL file or demo:TASK)", file=sys.stderr)
+            return 2
     from learner.main import run
 
     return run(cfg, resume=args.resume)

@@ -103,7 +103,7 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
     from weight_sync.sender import WeightSender
     from weight_sync.snapshot import latest_snapshot
 
-    client = feed = live = None
+    client = feed = live = evaluator = None
     metrics: MetricsLogger = build_metrics(paths.root, rank=rank, tensorboard=cfg.run.tensorboard)
     republish = False
     if rank == 0:
@@ -130,6 +130,11 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
         sender.publish(state.version, snapshot=True)
     if rank == 0 and (republish or read_version(client, feed.keys) < state.version):
         publish_version(client, feed.keys, state.version)
+    if rank == 0 and lc.val_data_path:
+        from learner.evaluation import Evaluator
+
+        evaluator = Evaluator(cfg, client, feed.keys, metrics)
+        evaluator.maybe_start(state.step, state.version)  # val_before_train
     profiler = StepProfiler(lc.profile.steps, paths.root / "profile", rank)
     n_params = sum(p.numel() for p in model.parameters())
     peak = peak_flops(device)
@@ -202,13 +207,19 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
             if rank == 0:
                 metrics.log(out, step=state.step)
                 live.update(state.step, state.version, out)
+                if evaluator is not None:  # asynchronous: results of earlier rounds are logged as they arrive
+                    evaluator.poll()
+                    evaluator.maybe_start(state.step, state.version)
             if lc.checkpoint_every and state.step % lc.checkpoint_every == 0:
                 checkpoint()
                 saved_at = state.step
+        finished = code == 0 and state.step >= lc.total_steps
+        if finished and evaluator is not None:
+            evaluator.finish()
         # Finished, or stopped by a signal between steps: either way the state is whole, so keep it.
         if code == 0 and saved_at != state.step and state.step > 0:
             checkpoint()
-        if code == 0 and lc.export_hf and state.step >= lc.total_steps:
+        if finished and lc.export_hf:
             export_hf(model, out_dir=paths.root / "final", source_dir=cfg.model.path)
     finally:
         stop_signal.restore()

@@ -29,6 +29,7 @@ T = TypeVar("T")
 class BufferSink:
     def __init__(self, cfg: TetherConfig, server_id: str) -> None:
         from buffer import PromptQueue, RedisKeys, ServerRegistry, TrajectoryWriter
+        from buffer.validation import ValidationQueue
         from tether.redis_server import connect_redis
 
         assert cfg.run.run_id is not None
@@ -39,6 +40,7 @@ class BufferSink:
         self.prompts = PromptQueue(self.client, self.keys, claim_idle_ms=cfg.buffer.claim_idle_ms)
         self.writer = TrajectoryWriter(self.client, self.keys, cfg.buffer)
         self.registry = ServerRegistry(self.client, self.keys)
+        self.validation = ValidationQueue(self.client, self.keys, claim_idle_ms=cfg.buffer.claim_idle_ms)
         self._pool = ThreadPoolExecutor(max_workers=cfg.rollout.prompt_workers + 4, thread_name_prefix="redis")
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -57,6 +59,24 @@ class BufferSink:
 
             self.prompts = PromptQueue(self.client, self.keys, claim_idle_ms=self.cfg.buffer.claim_idle_ms)
             return []
+
+    async def read_val_prompts(self, *, count: int = 1) -> list:
+        """Evaluation prompts waiting now (never blocks): the worker asks before each training prompt."""
+        import redis
+
+        from buffer.validation import ValidationQueue
+
+        try:
+            return await self._call(self.validation.read, self.server_id, count=count, block_ms=0)
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            self.validation = ValidationQueue(self.client, self.keys, claim_idle_ms=self.cfg.buffer.claim_idle_ms)
+            return []
+
+    async def finish_val(self, item, result) -> None:
+        """Report one evaluation prompt's scored samples (to the validation results, never the trajectories)."""
+        await self._call(self.validation.finish, item, result)
 
     async def ack(self, entry_ids: list[str]) -> None:
         await self._call(self.prompts.ack, entry_ids)

@@ -20,6 +20,7 @@ import numpy as np
 import redis
 
 from rollout_server.engines.base import SamplingSpec
+from rollout_server.evaluator import Evaluator
 from rollout_server.rewards import RewardError, ScoreItem, build_reward
 from rollout_server.state import ServerState
 from rollout_server.validation import BadRequest, check_length, encode
@@ -46,6 +47,7 @@ class PromptWorker:
         self.state = state
         self.sink = state.sink
         self.reward = build_reward(state.cfg)
+        self.evaluator = Evaluator(state, self.reward)  # held-out prompts, taken before training prompts
         self.groups_done = 0
         self.redis_errors = 0  # prompts abandoned to a Redis outage (each logged; the prompt is reclaimed)
 
@@ -62,6 +64,8 @@ class PromptWorker:
         while not s.draining:
             if s.engine.paused:
                 await asyncio.sleep(0.05)
+                continue
+            if await self.evaluator.step():
                 continue
             try:
                 entries = await self.sink.read_prompts(count=1, block_ms=500)

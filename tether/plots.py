@@ -1,4 +1,8 @@
-"""Training curves as a PNG in the run folder, drawn from ``metrics.jsonl``."""
+"""Training curves as a PNG in the run folder, drawn from ``metrics.jsonl``.
+
+Evaluation rows (``val/...``, see ``learner.evaluation``) are their own rows at the step they evaluated,
+so each key is plotted from the rows that have it; a run without evaluation simply has no such panel.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,15 @@ from pathlib import Path
 
 from tether.metrics import read_metrics
 
-DEFAULT_KEYS = ("reward/mean", "loss/total", "loss/pg", "actor/entropy", "buffer/staleness_mean")
+DEFAULT_KEYS = (
+    "reward/mean",
+    "val/mean@k",
+    "val/pass@k",
+    "loss/total",
+    "loss/pg",
+    "actor/entropy",
+    "buffer/staleness_mean",
+)
 
 
 def plot_metrics(metrics_path: str | Path, out_png: str | Path, keys: Sequence[str] = DEFAULT_KEYS) -> Path | None:

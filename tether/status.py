@@ -64,6 +64,20 @@ def _fmt(value: float | None, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _validation_line(sample: _Sample) -> str:
+    """The latest evaluation round the learner logged (``learner.test_freq``), or that there is none."""
+    if sample.learner_str("val_step") == "-":
+        return "validation: -"
+    k = sample.learner_float("val_k")
+    k_str = "k" if k is None else f"{k:.0f}"
+    return (
+        f"validation (step {sample.learner_str('val_step')}): mean@{k_str} "
+        f"{_fmt(sample.learner_float('val_mean_at_k'), '.3f')}   pass@{k_str} "
+        f"{_fmt(sample.learner_float('val_pass_at_k'), '.3f')}   "
+        f"missing {_fmt(sample.learner_float('val_missing'), '.0f')}"
+    )
+
+
 def render_status(cfg: TetherConfig, client: redis.Redis, new: _Sample, old: _Sample | None) -> str:
     keys = RedisKeys(cfg.run.run_id or "")
     s = new.stats
@@ -71,6 +85,7 @@ def render_status(cfg: TetherConfig, client: redis.Redis, new: _Sample, old: _Sa
     lines = [
         f"run {cfg.run.run_id}   policy version {new.version}   learner step {new.learner_str('step')}",
         f"reward mean {_fmt(new.learner_float('reward_mean'), '.3f')}   learner tokens/s {_fmt(tokens_per_s, '.0f')}",
+        _validation_line(new),
         "",
         f"buffer: depth {s['buffer/depth']:.0f}   pending {s['buffer/pending']:.0f}   "
         f"{s['buffer/bytes'] / 2**20:.1f} MiB   oldest {s['buffer/oldest_age_s']:.1f}s   "

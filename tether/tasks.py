@@ -1,14 +1,25 @@
-"""Built-in tasks: the demo task a tiny model learns on CPU in minutes, and its reward.
+"""Built-in tasks a tiny model can learn on CPU, and their rewards.
 
-``learner.data_path: demo:charclass`` streams prompts such as ``"digits:"``; the reward
-(``rollout.reward.type: demo``) is the fraction of completion characters that belong to the class the
-prompt names, so a random byte-level model starts near 0.05 and a policy that learned the mapping from
-prompt to class scores close to 1. The signal is dense (every token counts) and prompt-dependent (the
-model must read the prompt), which is what makes it learnable by a tiny model in a few hundred steps.
+``demo:charclass`` streams prompts such as ``"digits:"``; its reward is the fraction of completion
+characters in the class the prompt names, so a random byte-level model starts near 0.05 and a policy
+that learned the mapping scores close to 1. It is learned from random weights in minutes: it shows the
+loop works, not whether RL (or asynchrony) helps a model that already knows something.
+
+``demo:addition`` is that second kind of task: prompts such as ``"47+08="`` with an exact-match reward
+on the sum, ``"055"``. Operands and sum have a fixed width (zero-padded), so digits line up by position:
+that is what lets a 2-layer byte-level model learn it in minutes on a CPU. A random model scores ~0, so
+it needs a supervised warm start (``tether make-tiny-model DIR --warm-start addition``) that leaves it
+partly right; RL then has to raise held-out accuracy. The pairs are split by a hash of the pair, so the
+held-out (``split="val"``) prompts never occur in training — ``val_data_path: demo:addition`` evaluates
+on that split.
+
+Each row carries ``task`` in its reward context so one reward (``rollout.reward.type: demo``) scores
+every built-in task.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import string
 from collections.abc import Iterator, Mapping
@@ -19,23 +30,63 @@ CHAR_CLASSES: dict[str, str] = {
     "upper": string.ascii_uppercase,
 }
 
-DEMO_TASKS = ("charclass",)
+DEMO_TASKS = ("charclass", "addition")
+SPLITS = ("train", "val")
+
+ADDITION_DIGITS = 2
+"""Digits of each operand (zero-padded); the sum has one more."""
+ADDITION_VAL_PERCENT = 10
+"""Percent of operand pairs held out for evaluation (chosen by a hash of the pair)."""
 
 
-def demo_rows(task: str = "charclass", *, seed: int = 0) -> Iterator[dict[str, str]]:
-    """An endless, seeded stream of ``{"prompt": ..., "answer": ...}`` rows of a built-in task."""
+def addition_split(a: int, b: int) -> str:
+    """``"val"`` for the held-out pairs, else ``"train"``: a fixed hash, so every process agrees."""
+    h = int.from_bytes(hashlib.blake2b(f"{a}+{b}".encode(), digest_size=4).digest(), "big")
+    return "val" if h % 100 < ADDITION_VAL_PERCENT else "train"
+
+
+def addition_rows(*, seed: int = 0, split: str = "train") -> Iterator[dict[str, str]]:
+    rng = random.Random(f"addition-{split}-{seed}")
+    while True:
+        a, b = rng.randrange(10**ADDITION_DIGITS), rng.randrange(10**ADDITION_DIGITS)
+        if addition_split(a, b) == split:
+            w = ADDITION_DIGITS
+            yield {"prompt": f"{a:0{w}d}+{b:0{w}d}=", "answer": f"{a + b:0{w + 1}d}", "task": "addition"}
+
+
+def demo_rows(task: str = "charclass", *, seed: int = 0, split: str = "train") -> Iterator[dict[str, str]]:
+    """An endless, seeded stream of ``{"prompt": ..., "answer": ..., "task": ...}`` rows of a built-in
+    task. ``split="val"`` gives the held-out rows (for charclass, the same distribution another seed)."""
     if task not in DEMO_TASKS:
         raise ValueError(f"unknown demo task {task!r}; known: {', '.join(DEMO_TASKS)}")
-    rng = random.Random(seed)
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
+    if task == "addition":
+        yield from addition_rows(seed=seed, split=split)
+        return
+    rng = random.Random(seed if split == "train" else f"val-{seed}")
     names = sorted(CHAR_CLASSES)
     while True:
         name = rng.choice(names)
-        yield {"prompt": f"{name}:", "answer": name}
+        yield {"prompt": f"{name}:", "answer": name, "task": "charclass"}
 
 
-def demo_reward(completion: str, reward_context: Mapping[str, str]) -> float:
-    """Fraction of the completion's characters in the class named by ``reward_context["answer"]``."""
-    allowed = CHAR_CLASSES.get(reward_context.get("answer", ""))
+def charclass_reward(completion: str, answer: str) -> float:
+    """Fraction of the completion's characters in the class named ``answer``."""
+    allowed = CHAR_CLASSES.get(answer)
     if allowed is None or not completion:
         return 0.0
     return sum(ch in allowed for ch in completion) / len(completion)
+
+
+def addition_reward(completion: str, answer: str) -> float:
+    """1.0 when the completion, stripped of surrounding whitespace, is exactly the sum; else 0.0."""
+    return float(bool(answer) and completion.strip() == answer)
+
+
+def demo_reward(completion: str, reward_context: Mapping[str, str]) -> float:
+    """The reward of the built-in task named by ``reward_context["task"]`` (charclass when absent)."""
+    answer = reward_context.get("answer", "")
+    if reward_context.get("task", "charclass") == "addition":
+        return addition_reward(completion, answer)
+    return charclass_reward(completion, answer)

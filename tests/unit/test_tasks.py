@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from tether.tasks import CHAR_CLASSES, demo_reward, demo_rows
+from tether.tasks import ADDITION_DIGITS, CHAR_CLASSES, addition_reward, addition_split, demo_reward, demo_rows
 
 
 def test_rows_are_seeded_and_cover_every_class() -> None:
@@ -34,3 +34,51 @@ def test_reward(completion: str, answer: str, expected: float) -> None:
 def test_unknown_task_is_an_error() -> None:
     with pytest.raises(ValueError, match="unknown demo task"):
         next(demo_rows("nope"))
+
+
+# --- addition: the task that needs a warm model -------------------------------------------------------
+def test_addition_rows_are_seeded_fixed_width_and_correct() -> None:
+    rows = list(itertools.islice(demo_rows("addition", seed=5), 200))
+    assert rows == list(itertools.islice(demo_rows("addition", seed=5), 200))
+    for row in rows:
+        a, b = row["prompt"].removesuffix("=").split("+")
+        assert len(a) == len(b) == ADDITION_DIGITS and len(row["answer"]) == ADDITION_DIGITS + 1
+        assert int(row["answer"]) == int(a) + int(b)
+        assert row["task"] == "addition"
+
+
+def test_addition_heldout_pairs_never_appear_in_training() -> None:
+    train = {r["prompt"] for r in itertools.islice(demo_rows("addition", seed=0), 20_000)}
+    val = {r["prompt"] for r in itertools.islice(demo_rows("addition", seed=0, split="val"), 500)}
+    assert len(val) > 300 and len(train) > 5000  # both splits are well covered...
+    assert not train & val  # ...and disjoint
+    # Another training seed draws other pairs, never held-out ones: the split is by pair, not by seed.
+    assert not {r["prompt"] for r in itertools.islice(demo_rows("addition", seed=9), 5000)} & val
+    held_out_share = sum(addition_split(a, b) == "val" for a in range(100) for b in range(100)) / 10_000
+    assert 0.05 < held_out_share < 0.15
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("055", "055", 1.0),
+        (" 055\n", "055", 1.0),  # surrounding whitespace does not matter
+        ("55", "055", 0.0),  # the width is part of the answer
+        ("056", "055", 0.0),
+        ("0555", "055", 0.0),
+        ("", "055", 0.0),
+        ("", "", 0.0),
+    ],
+)
+def test_addition_reward_is_exact_match(completion: str, answer: str, expected: float) -> None:
+    assert addition_reward(completion, answer) == expected
+    assert demo_reward(completion, {"task": "addition", "answer": answer}) == expected
+
+
+def test_charclass_rows_without_a_task_key_keep_their_reward() -> None:
+    assert demo_reward("123", {"answer": "digits"}) == 1.0  # groups written before "task" existed
+
+
+def test_unknown_split_is_an_error() -> None:
+    with pytest.raises(ValueError, match="unknown split"):
+        next(demo_rows("addition", split="test"))

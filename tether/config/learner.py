@@ -119,6 +119,49 @@ class LearnerConfig(Section):
     read_timeout_s: float = Field(default=0.0, ge=0)
     """Give up (exit with an error) when no trajectory group arrives for this long; 0: wait forever."""
 
+    val_data_path: str = ""
+    """Held-out prompts for evaluation during training: a JSONL file (same fields as ``data_path``) or
+    ``demo:<task>`` (that task's held-out split). Empty: no evaluation."""
+
+    test_freq: int = Field(default=0, ge=0)
+    """Evaluate every this many learner steps, and after the last step (verl name); 0: never."""
+
+    val_before_train: bool = False
+    """Also evaluate the starting weights, before the first step (verl name)."""
+
+    val_n: int = Field(default=1, gt=0)
+    """Samples per evaluation prompt: k of ``val/mean@k`` and ``val/pass@k``."""
+
+    val_temperature: float = Field(default=0.0, ge=0)
+    """Sampling temperature of evaluation; 0 is greedy (verl's default)."""
+
+    val_max_tokens: int | None = Field(default=None, gt=0)
+    """Most completion tokens per evaluation sample; empty: ``rollout.max_tokens``."""
+
+    val_max_prompts: int | None = Field(default=None, gt=0)
+    """Prompts per evaluation round: the first N rows of the JSONL (empty: all of them), or N held-out
+    rows of a demo task (empty: 128)."""
+
+    val_timeout_s: float = Field(default=300.0, gt=0)
+    """An evaluation round still incomplete after this long is closed; prompts without results are
+    counted in ``val/missing`` (the learner never waits longer than this for evaluation)."""
+
+    @model_validator(mode="after")
+    def _evaluation(self) -> LearnerConfig:
+        if (self.test_freq or self.val_before_train) and not self.val_data_path:
+            raise ValueError("val_data_path is empty but test_freq/val_before_train ask for evaluation — set "
+                             "learner.val_data_path (a JSONL file or demo:TASK)")  # fmt: skip
+        if self.val_data_path.startswith("demo:"):
+            from tether.tasks import DEMO_TASKS
+
+            task = self.val_data_path.split(":", 1)[1]
+            if task not in DEMO_TASKS:
+                raise ValueError(f"val_data_path: unknown demo task {task!r}; known: {', '.join(DEMO_TASKS)}")
+        if self.val_n > 1 and self.val_temperature == 0:
+            raise ValueError(f"val_n is {self.val_n} but val_temperature is 0: greedy samples are all the same — "
+                             "set learner.val_temperature > 0 or learner.val_n: 1")  # fmt: skip
+        return self
+
     @model_validator(mode="after")
     def _mini_batch_divides(self) -> LearnerConfig:
         mini = self.ppo_mini_batch_size
