@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     learner.add_argument("--nnodes", default="1", help="torchrun --nnodes (e.g. 2, or 1:4 elastic)")
     learner.add_argument("--node-rank", type=int, default=0, help="torchrun --node_rank")
     learner.add_argument("--rdzv-endpoint", default="", help="torchrun rendezvous host:port (multi-node)")
+    learner.add_argument(
+        "--local-addr", default="", help="this node's address the other learner nodes can reach (multi-homed hosts)"
+    )
 
     rollout = sub.add_parser("rollout", help="start one rollout server (gRPC + prompt worker)")
     _add_config(rollout)
@@ -124,6 +127,7 @@ def cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         rdzv_endpoint=args.rdzv_endpoint,
+        local_addr=args.local_addr,
     )
     os.execvp(cmd[0], cmd)  # torchrun takes over this process: signals reach it directly
 

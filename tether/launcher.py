@@ -34,6 +34,7 @@ def learner_command(
     nnodes: str = "1",
     node_rank: int = 0,
     rdzv_endpoint: str = "",
+    local_addr: str = "",
     redis_url: str = "",
 ) -> list[str]:
     """``torchrun ... -m learner --config <resolved config>``: every rank reads the same file."""
@@ -50,6 +51,16 @@ def learner_command(
             f"--rdzv_endpoint={rdzv_endpoint}",
             f"--rdzv_id={cfg.run.run_id}",
         ]
+        if node_rank == 0 and ":" not in nnodes:
+            # Node 0 hosts the rendezvous store (docs/FLEETS.md). torchrun guesses that by matching the
+            # endpoint against the machine's hostname, which fails when the endpoint is another name or
+            # address of the host (a second interface, a service name): then no node hosts it and every
+            # node times out connecting. Say it outright.
+            cmd.append("--rdzv_conf=is_host=1")
+        if local_addr:
+            # The address the other nodes reach this one at; torchrun otherwise publishes the machine's
+            # FQDN, which on a multi-homed host may resolve to an interface the others cannot reach.
+            cmd.append(f"--local_addr={local_addr}")
     cmd += ["-m", "learner", "--config", str(resolved), *_redis_override(redis_url)]
     if resume:
         cmd.append("--resume")
