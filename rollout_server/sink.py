@@ -30,6 +30,7 @@ class BufferSink:
     def __init__(self, cfg: TetherConfig, server_id: str) -> None:
         from buffer import PromptQueue, RedisKeys, ServerRegistry, TrajectoryWriter
         from tether.redis_server import connect_redis
+        from tether.resources import prompt_workers
 
         assert cfg.run.run_id is not None
         self.cfg = cfg
@@ -39,7 +40,7 @@ class BufferSink:
         self.prompts = PromptQueue(self.client, self.keys, claim_idle_ms=cfg.buffer.claim_idle_ms)
         self.writer = TrajectoryWriter(self.client, self.keys, cfg.buffer)
         self.registry = ServerRegistry(self.client, self.keys)
-        self._pool = ThreadPoolExecutor(max_workers=cfg.rollout.prompt_workers + 4, thread_name_prefix="redis")
+        self._pool = ThreadPoolExecutor(max_workers=prompt_workers(cfg) + 4, thread_name_prefix="redis")
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))

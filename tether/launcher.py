@@ -10,12 +10,12 @@ learner finishes; Ctrl-C or a crashed child stops everything (no orphan processe
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 from tether.config import ConfigError, TetherConfig, save_resolved
 from tether.logs import get_logger, setup_logging
+from tether.resources import thread_env
 from tether.runs import RunPaths, new_run_id, run_paths
 from tether.supervisor import ChildFailed, ChildSpec, Supervisor
 
@@ -91,13 +91,6 @@ def save_buffer_stats(cfg: TetherConfig, paths: RunPaths) -> None:
         log.warning("buffer_stats_not_saved", error=repr(e))
 
 
-def thread_env(num_processes: int) -> dict[str, str]:
-    """Split this machine's cores between the local processes (unless the user set OMP_NUM_THREADS)."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return {}
-    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, num_processes)))}
-
-
 def up(cfg: TetherConfig, *, resume: bool = False) -> int:
     check_model_path(cfg)
     if cfg.run.run_id is None:
@@ -117,9 +110,10 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
             cfg = cfg.model_copy(update={"buffer": cfg.buffer.model_copy(update={"redis_url": url})})
         save_resolved(cfg, paths.root)
         log.info("run_started", run_id=cfg.run.run_id, folder=str(paths.root))
-        env = thread_env(cfg.learner.nproc_per_node + cfg.rollout.num_servers)
         learner = learner_command(cfg, resume=resume)
+        env = thread_env(cfg, "learner")
         supervisor.start(ChildSpec("learner", learner, paths.console_file("learner"), env=env, primary=True))
+        env = thread_env(cfg, "rollout")
         for i in range(cfg.rollout.num_servers):
             name = f"rollout-{i}"
             supervisor.start(ChildSpec(name, rollout_command(cfg, index=i), paths.console_file(name), env=env))
