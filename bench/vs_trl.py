@@ -18,7 +18,11 @@ mean over seeds of each step's mean reward; both learn the same task, so the cur
     python bench/vs_trl.py            # 3 seeds x 2 sizes x 3 systems x 20 steps: ~15 minutes on 2 cores
     python bench/vs_trl.py --quick    # 1 seed, the small size, 6 steps: a smoke run (~1 minute)
 
-Needs TRL (``pip install -e .[bench]``).
+Needs TRL (``pip install -e .[bench]``). Run it on a quiet machine: where other work shares the cores,
+multi-threaded torch on either side slows down by large and erratic factors (TRL took 0.6–4.2 s/step
+with two threads and 0.12–0.23 s with one, at the small size on a busy 2-core machine).
+``OMP_NUM_THREADS=1`` pins both sides to one thread per process there: a fair comparison, but not the
+default one.
 """
 
 from __future__ import annotations

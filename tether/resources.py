@@ -6,12 +6,16 @@ admission control lets rollout run ``max_staleness`` versions ahead, so about
 batch (it decodes 16 rows where the step needs 64), more than the engine batches at once (``max_num_seqs``
 rows, ``n`` per prompt) only queue. A user's explicit ``rollout.prompt_workers`` wins.
 
-Threads: with ``max_staleness: 0`` generation and training alternate, so the phase that runs may use
-every core — but only the learner gains from it. The rollout server keeps its even share: small-batch
-decoding is a chain of small kernels that extra intra-op threads slow down, and on a shared machine its
-idle-spinning OpenMP threads steal the learner's cores (measured, see ``bench/vs_trl.py``'s notes in
-the README). With overlap (``max_staleness > 0``) both run at once, so the cores are split evenly;
-oversubscribing them was slower in every split measured. A user's ``OMP_NUM_THREADS`` wins for all.
+Threads: with ``max_staleness: 0`` generation and training alternate, so the learner's phase may use
+every core (issue 23's probe on an idle 2-core machine: learner compute 1.63 → 0.85 s per step at 256
+wide with two threads instead of one). The rollout server keeps its even share: at these sizes decoding
+with two threads was slower than with one (same probe) — small-batch decoding is a chain of small
+kernels. With overlap (``max_staleness > 0``) both run at once, so the cores are split evenly;
+oversubscribing them (two threads each on two cores) was slower, 1.62 → 2.24 s per step. A split
+weighted by each phase's measured time would differ from the even one only with more cores than
+processes, and needs the run's own timings; it is not done here. On a machine shared with other work,
+several intra-op threads per process can be far slower than one (their OpenMP barriers wait on
+descheduled threads): set ``OMP_NUM_THREADS=1`` there. A user's ``OMP_NUM_THREADS`` wins for every process.
 
 No torch import here: the launcher and the config-time checks use it.
 """
