@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: install install-test demo demo-addition test test-gpu lint protos check-protos bench clean
+.PHONY: install install-test install-bench demo demo-addition test test-gpu lint protos check-protos bench clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,7 +25,14 @@ $(VENV)/.vllm: $(VENV)/.base
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
+# TRL for bench/vs_trl.py (the side-by-side baseline); it leaves torch and transformers as they are.
+$(VENV)/.bench: $(VENV)/.base
+	$(PIP) install -q -e ".[dev,bench]"
+	touch $@
+
 install: $(VENV)/.base
+
+install-bench: $(VENV)/.bench
 
 install-test: $(VENV)/.vllm
 
@@ -65,6 +72,17 @@ protos: install
 
 check-protos: install
 	$(PY) -m tether.protogen --check
+
+# Every benchmark, one after another (tens of minutes on 2 cores), each printing its ratios into
+# $(BENCH_RESULTS). One of them: make bench BENCH=vs_trl; a smoke run: make bench BENCH_ARGS=--quick.
+BENCH ?= overlap learner buffer weight_sync rollout load vs_trl
+BENCH_ARGS ?=
+BENCH_RESULTS ?= bench/results.txt
+bench: install-bench
+	set -o pipefail; : > $(BENCH_RESULTS); for b in $(BENCH); do \
+		echo "== bench/$$b.py $(BENCH_ARGS)  ($$(date -u +%FT%TZ), $$(nproc) cores)" | tee -a $(BENCH_RESULTS); \
+		$(PY) bench/$$b.py $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_RESULTS) || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -138,7 +138,7 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
     profiler = StepProfiler(lc.profile.steps, paths.root / "profile", rank)
     n_params = sum(p.numel() for p in model.parameters())
     peak = peak_flops(device)
-    forward_passes = int(cfg.algorithm.recompute_logprobs) + int(ref is not None)
+    forward_passes = trainer.extra_forward_passes
     saved_at = state.step if resume else -1
     stop_signal = StopSignal()
     code = 0

@@ -97,6 +97,23 @@ class Trainer:
             global_tokens=1.0, global_seqs=1.0, settings=self.settings, entropy=z, ref_logprobs=z,
         )  # fmt: skip
         self.metric_keys = sorted(m)
+        # One optimizer update per step: the policy cannot change before it, so the proximal log-probs
+        # are the update's own forward, detached (as TRL and on-policy verl do). The separate forward-only
+        # pass would cost a third of the step for the same numbers. False forces that pass (the reference
+        # the equivalence test compares against).
+        self.reuse_update_forward = True
+
+    def separate_proximal_pass(self, n_minis: int) -> bool:
+        """Whether proximal log-probs need their own forward-only pass before a step of ``n_minis`` updates."""
+        if not self.cfg.algorithm.recompute_logprobs:
+            return False
+        one_update = n_minis == 1 and self.cfg.learner.ppo_epochs == 1
+        return not (self.reuse_update_forward and one_update)
+
+    @property
+    def extra_forward_passes(self) -> int:
+        """Forward-only passes over the batch a full step makes (proximal, reference): for the FLOPs count."""
+        return int(self.separate_proximal_pass(self.n_mini)) + int(self.ref_model is not None)
 
     # ----- planning
 
@@ -149,8 +166,13 @@ class Trainer:
                 setattr(samples[i], field, logprobs[offset : offset + n])
                 offset += n
 
-    def _update(self, samples: list[Sample], mini: list[int], plan: list[list[int]], sums: dict) -> float:
-        """Gradient accumulation over this rank's micro-batches of one mini-batch, then one optimizer step."""
+    def _update(
+        self, samples: list[Sample], mini: list[int], plan: list[list[int]], sums: dict, *, proximal_from_forward: bool
+    ) -> float:
+        """Gradient accumulation over this rank's micro-batches of one mini-batch, then one optimizer step.
+
+        ``proximal_from_forward``: the proximal log-probs are this forward's own, detached (one update per step).
+        """
         lc, a = self.cfg.learner, self.cfg.algorithm
         g_tok = float(sum(samples[i].num_trained for i in mini))
         g_seq = float(len(mini))
@@ -172,7 +194,12 @@ class Trainer:
             )
             dev = {"device": self.device}
             behavior = per_token(samples, index, "behavior_logprobs").to(**dev)
-            proximal = per_token(samples, index, "proximal_logprobs").to(**dev) if a.recompute_logprobs else behavior
+            if not a.recompute_logprobs:
+                proximal = behavior
+            elif proximal_from_forward:
+                proximal = logprobs.detach()
+            else:
+                proximal = per_token(samples, index, "proximal_logprobs").to(**dev)
             ref = per_token(samples, index, "ref_logprobs").to(**dev) if self.ref_model is not None else None
             loss, m = policy_loss(
                 logprobs=logprobs,
@@ -223,9 +250,10 @@ class Trainer:
             return out
         minis = self._mini_batches(samples, len(groups))
         plans = [self._plan(samples, m, forward_only=False) for m in minis]
-        if a.recompute_logprobs or self.ref_model is not None:
+        separate = self.separate_proximal_pass(len(minis))
+        if separate or self.ref_model is not None:
             fplan = self._forward_only_plan(samples, plans)
-            if a.recompute_logprobs:
+            if separate:
                 self._forward_only(self.model, samples, fplan, "proximal_logprobs")
             if self.ref_model is not None:
                 self._forward_only(self.ref_model, samples, fplan, "ref_logprobs")
@@ -233,7 +261,7 @@ class Trainer:
         norms = []
         for _ in range(lc.ppo_epochs):
             for mini, plan in zip(minis, plans, strict=True):
-                norms.append(self._update(samples, mini, plan[self.rank], sums))
+                norms.append(self._update(samples, mini, plan[self.rank], sums, proximal_from_forward=not separate))
         n_updates = len(norms)
         keys = self.metric_keys
         summed = torch.tensor([sums.get(k, 0.0) for k in keys if not k.endswith("_max")], dtype=torch.float64)

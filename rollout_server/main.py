@@ -51,7 +51,9 @@ async def serve(cfg: TetherConfig, *, port: int, server_id: str, stop: asyncio.E
     from rollout_server.server import auth_token, build_grpc_server, set_serving
     from rollout_server.service import RolloutServicer
     from rollout_server.state import ServerState
+    from tether.resources import with_prompt_workers
 
+    cfg = with_prompt_workers(cfg)  # "derive from the step" becomes a number before anything reads it
     rc = cfg.rollout
     if stop is None:  # a process of its own: SIGTERM / Ctrl-C drain; embedded callers pass their own event
         stop = asyncio.Event()

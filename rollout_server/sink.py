@@ -31,6 +31,7 @@ class BufferSink:
         from buffer import PromptQueue, RedisKeys, ServerRegistry, TrajectoryWriter
         from buffer.validation import ValidationQueue
         from tether.redis_server import connect_redis
+        from tether.resources import prompt_workers
 
         assert cfg.run.run_id is not None
         self.cfg = cfg
@@ -41,7 +42,7 @@ class BufferSink:
         self.writer = TrajectoryWriter(self.client, self.keys, cfg.buffer)
         self.registry = ServerRegistry(self.client, self.keys)
         self.validation = ValidationQueue(self.client, self.keys, claim_idle_ms=cfg.buffer.claim_idle_ms)
-        self._pool = ThreadPoolExecutor(max_workers=cfg.rollout.prompt_workers + 4, thread_name_prefix="redis")
+        self._pool = ThreadPoolExecutor(max_workers=prompt_workers(cfg) + 4, thread_name_prefix="redis")
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))

@@ -25,6 +25,7 @@ from rollout_server.rewards import RewardError, ScoreItem, build_reward
 from rollout_server.state import ServerState
 from rollout_server.validation import BadRequest, check_length, encode
 from tether.logs import get_logger
+from tether.resources import prompt_workers
 from tether.trajectory import (
     LOGPROB_DTYPE,
     MASK_DTYPE,
@@ -53,7 +54,7 @@ class PromptWorker:
 
     async def run(self) -> None:
         """Run the worker coroutines until the server drains; returns when all have finished."""
-        n = self.state.cfg.rollout.prompt_workers
+        n = prompt_workers(self.state.cfg)
         try:
             await asyncio.gather(*(self._loop(i) for i in range(n)))
         finally:

@@ -11,7 +11,6 @@ its data in the run folder, so ``tether up --resume`` continues where the run st
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 from tether.config import ConfigError, TetherConfig, save_resolved
 from tether.devices import count_gpus, plan_devices
 from tether.logs import get_logger, setup_logging
+from tether.resources import thread_env
 from tether.runs import RunPaths, new_run_id, run_paths
 from tether.supervisor import ChildFailed, ChildSpec, Supervisor
 
@@ -116,13 +116,6 @@ def save_buffer_stats(cfg: TetherConfig, paths: RunPaths) -> None:
         log.warning("buffer_stats_not_saved", error=repr(e))
 
 
-def thread_env(num_processes: int) -> dict[str, str]:
-    """Split this machine's cores between the local processes (unless the user set OMP_NUM_THREADS)."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return {}
-    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, num_processes)))}
-
-
 def up(cfg: TetherConfig, *, resume: bool = False) -> int:
     check_model_path(cfg)
     gpus = plan_devices(cfg, count_gpus())  # a config that cannot fit this box fails before anything starts
@@ -145,10 +138,10 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
             paths.redis_url_file.write_text(url + "\n")
         save_resolved(cfg, paths.root)  # as the user gave it: an embedded Redis stays ``redis_url: ""``
         log.info("run_started", run_id=cfg.run.run_id, folder=str(paths.root), resume=resume)
-        env = thread_env(cfg.learner.nproc_per_node + cfg.rollout.num_servers)
         learner = learner_command(cfg, resume=resume, redis_url=url if embedded else "")
-        supervisor.start(ChildSpec("learner", learner, paths.console_file("learner"), env={**env, **gpus.learner_env},
-                                   primary=True))  # fmt: skip
+        env = {**thread_env(cfg, "learner"), **gpus.learner_env}
+        supervisor.start(ChildSpec("learner", learner, paths.console_file("learner"), env=env, primary=True))
+        env = thread_env(cfg, "rollout")
         for i in range(cfg.rollout.num_servers):
             name = f"rollout-{i}"
             cmd = rollout_command(cfg, index=i, redis_url=url if embedded else "")

@@ -167,8 +167,10 @@ class RolloutConfig(Section):
     heartbeat_s: float = Field(default=2.0, gt=0)
     """Interval of registry heartbeats; the entry expires after three missed beats."""
 
-    prompt_workers: int = Field(default=2, ge=0)
-    """Prompts a server works on at once from the prompts stream; 0: serve gRPC only."""
+    prompt_workers: int | None = Field(default=None, ge=0)
+    """Prompts a server works on at once from the prompts stream; 0: serve gRPC only; empty: what the step
+    needs, ``learner.train_batch_size × (algorithm.max_staleness + 1)`` split over ``num_servers`` and at
+    most ``engine.max_num_seqs // n`` (see ``tether/resources.py``)."""
 
     drain_timeout_s: float = Field(default=30.0, gt=0)
     """On SIGTERM, how long in-flight work may take before it is returned to the stream."""
