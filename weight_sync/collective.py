@@ -18,6 +18,7 @@ store wait, the group construction, and each broadcast (the process group's time
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import threading
 from urllib.parse import urlparse
 
@@ -70,13 +71,7 @@ def build_group(
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = _timeout(timeout_s)
-        # On one machine the hostname may resolve to an interface loopback peers cannot reach.
-        device = (
-            dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
-            if host in _LOOPBACK
-            else dist.ProcessGroupGloo.create_default_device()
-        )
-        opts._devices = [device]
+        opts._devices = [_gloo_device(host)]
         return dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = _timeout(timeout_s)
@@ -85,6 +80,18 @@ def build_group(
     probe = torch.zeros(1, device="cuda")
     pg.allreduce([probe]).wait(_timeout(timeout_s))
     return pg
+
+
+def _gloo_device(host: str):  # type: ignore[no-untyped-def]
+    """The interface this process' gloo endpoint listens on. Building the group from explicit options (so it
+    can carry its own timeout) bypasses torch's reading of ``GLOO_SOCKET_IFNAME``, so it is read here: on a
+    multi-homed host the hostname may resolve to an interface the peers cannot reach (docs/FLEETS.md)."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if ifname:
+        return dist.ProcessGroupGloo.create_device(interface=ifname)
+    if host in _LOOPBACK:  # on one machine the hostname may resolve to an interface loopback peers cannot reach
+        return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    return dist.ProcessGroupGloo.create_default_device()
 
 
 def broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor, *, src: int = 0) -> dist.Work:

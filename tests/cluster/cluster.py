@@ -112,6 +112,7 @@ class Cluster:
             *TETHER, "rollout", "--config", str(self.config), "--run.run_id", RUN_ID, "--rollout.host", HOSTS[host],
             "--rollout.port", "50051", "--rollout.metrics_port", "9100", "--rollout.server_id", host,
             "--buffer.redis_url", self.redis_url, "--weight_sync.transport.master_addr", HOSTS["learner0"],
+            "--rollout.reward.token", ENV["TETHER_AUTH_TOKEN"],
         ], name=host, env=ENV)  # fmt: skip
 
     def close(self) -> None:

@@ -127,7 +127,7 @@ class Lab:
         """Delay (``delay_ms``, ``jitter_ms``, one way), ``loss`` (probability) or ``cut`` for src→dst
         (and dst→src unless ``both`` is false); an empty rule restores the default."""
         for a, b in [(src, dst), (dst, src)] if both else [(src, dst)]:
-            key = f"{a}>{b}"
+            key = "*" if a == b == "*" else f"{a}>{b}"
             if rule:
                 self.links[key] = dict(rule)
             else:
