@@ -30,9 +30,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from a checkout
 
+from bench.common import figure, ordered, report
 from buffer import RedisKeys, TrajectoryReader, TrajectoryWriter, encode_payload
 from buffer.codec import decode_payload
-from bench.common import figure, ordered, report
 from tether.config.buffer import BufferConfig
 from tether.redis_server import EmbeddedRedis, connect_redis
 from tether.trajectory import GroupData, TrajectoryData

@@ -29,7 +29,9 @@ def load(path: Path) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise SystemExit(f"{path}:{n}: not a JSON line ({e}) — each line must come from bench.common.report")
+            raise SystemExit(
+                f"{path}:{n}: not a JSON line ({e}) — each line must come from bench.common.report"
+            ) from None
         figures.pop(row["name"], None)  # re-inserted: the last run of a figure keeps its place at the end
         figures[row["name"]] = row
     return list(figures.values())
@@ -60,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=HERE / "results.json")
     p.add_argument("--md", type=Path, default=HERE / "results.md")
     args = p.parse_args(argv)
-    source = args.input or (Path(os.environ["TETHER_BENCH_RESULTS"]) if os.environ.get("TETHER_BENCH_RESULTS") else None)
+    env = os.environ.get("TETHER_BENCH_RESULTS")
+    source = args.input or (Path(env) if env else None)
     if source is None or not source.exists():
         print(f"bench/report.py: no figures file ({source or 'pass one or set TETHER_BENCH_RESULTS'})")
         return 2
