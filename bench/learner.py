@@ -15,13 +15,16 @@ sequence of a micro-batch wastes most compute. Three layouts, each its own ``Tra
   only (``use_remove_padding``; :mod:`learner.varlen_attention` on CPU).
 
 Figures: ``learner/packed_vs_padded_dynamic`` (the remove-padding lever alone, goal ≥ 1.5),
-``learner/padded_dynamic_vs_fixed`` (the dynamic-batch lever alone, no goal) and
+``learner/padded_dynamic_vs_padded_fixed`` (the dynamic-batch lever alone, no goal) and
 ``learner/packed_vs_padded_fixed`` (both levers, no goal). All run forward + backward of the real
 policy loss and the optimizer step. Every step trains one batch on all three, the order rotating from
 step to step so that load from other processes hits each alike; a ratio is taken per step (same batch:
-time ratio = tokens/s ratio), the figure is the median over ≥ 3 steps with the min–max. Known bias
-left in: the padded layouts compute the LM head on pad positions too (as verl's padded path does).
-Prints MFU on GPU. Timing is never asserted anywhere; a test only runs --quick.
+time ratio = tokens/s ratio), the figure is the median over ≥ 3 steps with the min–max. The LM head:
+packed rows compute it only where a completion token is predicted; padded micro-batches compute it from
+the first column any row needs on (the shared prompt columns are skipped, see
+:func:`learner.logprobs.forward_micro_batch`), so on pad positions past a short row's end it is still
+paid — that is the price of padding, which is what is measured. Prints MFU on GPU. Timing is never
+asserted anywhere; a test only runs --quick.
 """
 
 from __future__ import annotations
