@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     print("ratio = buffer throughput / raw XADD+XREADGROUP+XACK throughput on the same bytes (goal >= 0.8)")
     print("columns: medians over the repeats; figures: median of per-repeat ratios")
     for f in figures:
-        report(f)
+        report(f, quick=args.quick)
     return 0
 
 

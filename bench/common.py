@@ -22,7 +22,7 @@ import platform
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -44,6 +44,8 @@ class Figure:
     repeats: int
     spread_kind: str = SPREAD
     note: str = ""
+    quick: bool = False
+    """From a ``--quick`` smoke run: it shows the script works, it is not a measurement."""
 
     @property
     def met(self) -> bool | None:
@@ -58,7 +60,7 @@ class Figure:
         verdict = {True: "met", False: "NOT met", None: "-"}[self.met]
         return (
             f"FIGURE {self.name}: {self.ratio:.3f} ({self.spread_kind} {lo:.3f}-{hi:.3f}, {self.repeats} repeats)"
-            f"  {goal}: {verdict}  vs {self.baseline}"
+            f"  {goal}: {verdict}  vs {self.baseline}{'  [--quick: not a measurement]' if self.quick else ''}"
         )
 
 
@@ -89,8 +91,12 @@ def figure(
     )
 
 
-def report(fig: Figure) -> Figure:
-    """Print ``fig`` on one line; append it to ``$TETHER_BENCH_RESULTS`` as JSON when that is set."""
+def report(fig: Figure, *, quick: bool = False) -> Figure:
+    """Print ``fig`` on one line; append it to ``$TETHER_BENCH_RESULTS`` as JSON when that is set.
+
+    ``quick``: the figure comes from a ``--quick`` smoke run, and says so wherever it is shown."""
+    if quick:
+        fig = replace(fig, quick=True)
     print(fig.line(), flush=True)
     path = os.environ.get(RESULTS_ENV)
     if path:

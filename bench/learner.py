@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                 goal=goal,
                 direction="min",
                 baseline=f"{words}; tokens/s, {where}",
-            )
+            ),
+            quick=quick,
         )
     return 0
 

@@ -183,12 +183,16 @@ async def run(args: argparse.Namespace, address: str, pid: int) -> int:
         "refused at once instead of queued\n"
     )
     within = f"the same server within its limit ({clients} clients, max_concurrent_requests {args.max_concurrent})"
-    report(figure("load/backpressure_goodput", goodput, goal=0.8, direction="min",
-                  baseline=f"Generate calls/s of {within}; overload = {4 * args.max_concurrent} clients"))  # fmt: skip
-    report(figure("load/backpressure_rss_growth", growth, goal=1.1, direction="max",
-                  baseline="the server's RSS before the overload phase"))  # fmt: skip
-    report(figure("load/refusal_vs_call_latency", refusal_ratio, goal=0.5, direction="max",
-                  baseline=f"p50 latency of a served Generate of {within}"))  # fmt: skip
+    figures = [
+        figure("load/backpressure_goodput", goodput, goal=0.8, direction="min",
+               baseline=f"Generate calls/s of {within}; overload = {4 * args.max_concurrent} clients"),
+        figure("load/backpressure_rss_growth", growth, goal=1.1, direction="max",
+               baseline="the server's RSS before the overload phase"),
+        figure("load/refusal_vs_call_latency", refusal_ratio, goal=0.5, direction="max",
+               baseline=f"p50 latency of a served Generate of {within}"),
+    ]  # fmt: skip
+    for f in figures:
+        report(f, quick=args.quick)
     return 0
 
 

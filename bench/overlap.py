@@ -157,7 +157,8 @@ def main() -> None:
             goal=None,
             direction="min",
             baseline=f"samples/s of the same run with max_staleness 0 (synchronous); {work}",
-        )
+        ),
+        quick=args.quick,
     )
     report(
         figure(
@@ -166,7 +167,8 @@ def main() -> None:
             goal=0.85,
             direction="min",
             baseline="speed-up over the ideal T_step(sync) / min(T_busy sync, async) (an upper bound)",
-        )
+        ),
+        quick=args.quick,
     )
     if args.json:
         args.json.write_text(json.dumps(pairs, indent=1))

@@ -46,9 +46,10 @@ def markdown(figures: list[dict]) -> str:
         lo, hi = f["spread"]
         goal = "—" if f["goal"] is None else f"{'≥' if f['direction'] == 'min' else '≤'} {f['goal']:g}"
         met = {True: "yes", False: "**no**", None: "—"}[f["met"]]
+        quick = " (**--quick smoke run, not a measurement**)" if f.get("quick") else ""
         lines.append(
             f"| `{f['name']}` | {f['ratio']:.2f} | {lo:.2f}–{hi:.2f} ({f['spread_kind']}) | {f['repeats']} "
-            f"| {goal} | {met} | {f['baseline']} |"
+            f"| {goal} | {met} | {f['baseline']}{quick} |"
         )
     hosts = sorted({f.get("host", "?") for f in figures})
     lines.append("")

@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {c:>7} | {n:>8} | {local:>16.1f} | {remote:>10.1f} | {fig.ratio:>21.3f} |")
     print()
     for fig in figures:
-        report(fig)
+        report(fig, quick=args.quick)
     return 0
 
 

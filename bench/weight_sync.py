@@ -205,7 +205,11 @@ class Tether:
 def measure(model, model_dir: Path, workdir: Path, receivers: int, repeats: int) -> list[dict[str, float]]:
     """Round 0 (warm-up) then ``repeats`` rounds; each round times tether, raw and per-param, order rotating."""
     tether = Tether(model, model_dir, workdir, receivers)
-    baselines = Baselines(model, model_dir, receivers)
+    try:
+        baselines = Baselines(model, model_dir, receivers)
+    except BaseException:
+        tether.close()
+        raise
     rounds = []
     try:
         for k in range(repeats + 1):
@@ -296,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
     print("columns: medians of the timed rounds; first: round 0 (connections, group build)")
     for f in figures:
-        report(f)
+        report(f, quick=args.quick)
     return 0
 
 

@@ -33,7 +33,7 @@ def test_report_appends_json_lines_and_report_py_writes_json_and_markdown(
     lines = tmp_path / "figures.jsonl"
     monkeypatch.setenv("TETHER_BENCH_RESULTS", str(lines))
     report(figure("buffer/1K_tokens", [0.5, 0.6, 0.55], goal=0.8, direction="min", baseline="raw XADD"))
-    report(figure("load/rss", [1.0, 1.01, 1.02], goal=1.1, direction="max", baseline="RSS before"))
+    report(figure("load/rss", [1.0, 1.01, 1.02], goal=1.1, direction="max", baseline="RSS before"), quick=True)
     report(figure("buffer/1K_tokens", [0.85, 0.9, 0.8], goal=0.8, direction="min", baseline="raw XADD"))  # rerun
     assert "FIGURE buffer/1K_tokens: 0.550" in capsys.readouterr().out
     out_json, out_md = tmp_path / "results.json", tmp_path / "results.md"
@@ -45,4 +45,5 @@ def test_report_appends_json_lines_and_report_py_writes_json_and_markdown(
     assert figures[1]["ratio"] == 0.85 and figures[1]["spread"] == [0.8, 0.9] and figures[1]["met"] is True
     md = out_md.read_text()
     assert "| `buffer/1K_tokens` | 0.85 | 0.80–0.90 (min-max) | 3 | ≥ 0.8 | yes | raw XADD |" in md
-    assert "| `load/rss` | 1.01 | 1.00–1.02 (min-max) | 3 | ≤ 1.1 | yes | RSS before |" in md
+    assert "| `load/rss` | 1.01 | 1.00–1.02 (min-max) | 3 | ≤ 1.1 | yes | RSS before (**--quick smoke run" in md
+    assert figures[0]["quick"] is True and figures[1]["quick"] is False
