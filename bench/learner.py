@@ -1,29 +1,47 @@
-"""Learner tokens/s, packed (``use_remove_padding`` + dynamic batching) vs padded, on RL-like lengths.
+"""Learner tokens/s of three batch layouts on RL-like lengths, each lever measured alone.
 
-    python bench/learner.py [--quick]
+    python bench/learner.py [--quick] [--steps N]
 
-Same model (both copies load the same weights), same groups, same process, the same tokens trained on:
+Same model (every copy loads the same weights), same groups, same process, the same tokens trained on:
 completion lengths are long-tailed (log-uniform 16..1024 tokens), which is where padding to the longest
-sequence of a micro-batch wastes most compute. The padded layout is verl's: a fixed
-``micro_batch_size_per_gpu`` sequences right-padded to the micro-batch's longest; the packed one fills a
-token budget (``max_token_len_per_gpu``) per row and attends within each sequence only
-(:mod:`learner.varlen_attention` on CPU). Both run forward + backward of the real policy loss and the
-optimizer step. The two layouts alternate step by step so that load from other processes hits both
-alike. Prints tokens/s of each layout, the ratio and how much of the padded layout is padding (and MFU
-on GPU). Timing is never asserted anywhere; a test only runs --quick.
+sequence of a micro-batch wastes most compute. Three layouts, each its own ``Trainer``:
+
+* ``padded_fixed``: ``micro_batch_size_per_gpu`` sequences in dataset order, right-padded to the
+  micro-batch's longest (verl with ``use_dynamic_bsz: false``, ``use_remove_padding: false``);
+* ``padded_dynamic``: micro-batches filled up to ``max_token_len_per_gpu`` real tokens, sequences of
+  like length binned together, still padded to each micro-batch's longest (verl's ``use_dynamic_bsz``
+  without remove-padding — the strongest padded setup a verl user has);
+* ``packed``: the same token budget, sequences packed into one row attending within each sequence
+  only (``use_remove_padding``; :mod:`learner.varlen_attention` on CPU).
+
+Figures: ``learner/packed_vs_padded_dynamic`` (the remove-padding lever alone, goal ≥ 1.5),
+``learner/padded_dynamic_vs_padded_fixed`` (the dynamic-batch lever alone, no goal) and
+``learner/packed_vs_padded_fixed`` (both levers, no goal). All run forward + backward of the real
+policy loss and the optimizer step. Every step trains one batch on all three, the order rotating from
+step to step so that load from other processes hits each alike; a ratio is taken per step (same batch:
+time ratio = tokens/s ratio), the figure is the median over ≥ 3 steps with the min–max. The LM head:
+packed rows compute it only where a completion token is predicted; padded micro-batches compute it from
+the first column any row needs on (the shared prompt columns are skipped, see
+:func:`learner.logprobs.forward_micro_batch`), so on pad positions past a short row's end it is still
+paid — that is the price of padding, which is what is measured. Prints MFU on GPU. Timing is never
+asserted anywhere; a test only runs --quick.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import figure, ordered, report
+
+# name -> (use_remove_padding, use_dynamic_bsz)
+LAYOUTS = {"padded_fixed": (False, False), "padded_dynamic": (False, True), "packed": (True, True)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from tether.tiny_model import make_tiny_model
 
     quick = args.quick
-    steps = args.steps or (2 if quick else 3)
+    steps = max(3, args.steps or (3 if quick else 6))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
@@ -58,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     n_groups, group_size = (4, 4) if quick else ((32, 8) if cuda else (4, 8))
     micro_batch = 8
     budget = 2048 if quick else (16384 if cuda else int(os.environ.get("BENCH_BUDGET", "2048")))
-    layouts = {"padded": False, "packed": True}
+    layouts = LAYOUTS
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(tmp, hidden=hidden, layers=layers, heads=heads, max_position=2048)
 
@@ -69,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup = groups(n_groups, seed=10_000)
         batches = [groups(n_groups, seed=s) for s in range(steps)]
         trainers = {}
-        for name, packed in layouts.items():
+        for name, (packed, dynamic) in layouts.items():
             cfg = TetherConfig.model_validate(
                 {
                     "model": {"path": str(model_dir)},
@@ -77,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                     "learner": {
                         "train_batch_size": n_groups,
                         "use_remove_padding": packed,
-                        "use_dynamic_bsz": packed,
+                        "use_dynamic_bsz": dynamic,
                         "micro_batch_size_per_gpu": micro_batch,
                         "max_token_len_per_gpu": budget,
                         "lr": 1e-5,
@@ -89,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
             trainers[name].train_step(warmup, version=0)
         tokens = dict.fromkeys(layouts, 0.0)
         seconds = dict.fromkeys(layouts, 0.0)
-        step_ratios = []
+        took_by_step = []
         for k, batch in enumerate(batches):
             took = {}
-            # Alternate which layout goes first so neither always runs right after the other.
-            for name in list(layouts)[:: 1 if k % 2 == 0 else -1]:
+            # Rotate which layout goes first so none always runs right after another.
+            for name in ordered(list(layouts), k):
                 if cuda:
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -103,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 took[name] = time.perf_counter() - t0
                 seconds[name] += took[name]
                 tokens[name] += out["learner/tokens"]
-            step_ratios.append(took["padded"] / took["packed"])  # same batch: time ratio = tokens/s ratio
+            took_by_step.append(took)
         n_params = sum(p.numel() for p in trainers["packed"].model.parameters())
         results = {name: (tokens[name] / seconds[name], tokens[name], seconds[name], n_params) for name in layouts}
         real_share = _padded_real_share(batches, micro_batch)
@@ -111,16 +129,31 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
     peak = peak_flops(device)
     for name, (tps, tokens, seconds, n_params) in results.items():
-        line = f"{name:>7}: {tps:10.0f} tokens/s ({tokens:.0f} tokens in {seconds:.2f}s)"
+        line = f"{name:>14}: {tps:10.0f} tokens/s ({tokens:.0f} tokens in {seconds:.2f}s)"
         if peak:
             mfu = train_flops(n_params, int(tokens), forward_passes=1) / (seconds * peak)
             line += f"  MFU {100 * mfu:.1f}%"
         print(line)
-    ratio = results["packed"][0] / results["padded"][0]
-    print(f"padded layout: {100 * real_share:.0f}% of its token slots are real tokens")
-    per_step = " ".join(f"{r:.2f}" for r in step_ratios)
-    print(f"per-step ratios (same batch for both): {per_step}; median {statistics.median(step_ratios):.2f}x")
-    print(f"packed/padded tokens/s ratio: {ratio:.2f}x (goal >= 1.5x) on {device.type}")
+    print(f"padded_fixed layout: {100 * real_share:.0f}% of its token slots are real tokens")
+    where = f"{device.type}, lengths 16..{max_len} log-uniform, budget {budget} tokens, micro-batch {micro_batch}"
+    pairs = (
+        ("packed", "padded_dynamic", 1.5, "padded micro-batches by token budget (verl use_dynamic_bsz, no rmpad)"),
+        ("padded_dynamic", "padded_fixed", None, f"padded fixed micro-batches of {micro_batch} sequences"),
+        ("packed", "padded_fixed", None, f"padded fixed micro-batches of {micro_batch} sequences"),
+    )
+    for measured, base, goal, words in pairs:
+        # Same batch on both sides of a step: the time ratio is the tokens/s ratio.
+        ratios = [t[base] / t[measured] for t in took_by_step]
+        report(
+            figure(
+                f"learner/{measured}_vs_{base}",
+                ratios,
+                goal=goal,
+                direction="min",
+                baseline=f"{words}; tokens/s, {where}",
+            ),
+            quick=quick,
+        )
     return 0
 
 

@@ -1,16 +1,35 @@
 """Overlap benchmark: asynchronous (``max_staleness`` > 0) against synchronous (``0``) on the same work.
 
 Both runs use the same model, prompts (same seed), group size, token limits and number of steps, each
-a real ``tether up`` (embedded Redis, learner under torchrun, rollout servers). From the synchronous
-run's phases it derives the ideal speed-up of overlapping generation with training,
+a real ``tether up`` (embedded Redis, learner under torchrun, rollout servers). Every step consumes the
+same number of samples, so the speed-up is a ratio of step times:
 
-    ideal = (T_gen + T_train) / max(T_gen, T_train)
+    achieved = samples/s async ÷ samples/s sync = T_step(sync) ÷ T_step(async)
 
-with T_gen the learner's wait for data per step and T_train its compute plus weight-sync time per
-step, and prints achieved = samples/s async ÷ sync, efficiency = achieved ÷ ideal, and the final reward
-of both (equal samples: same steps × batch). Steps before ``--skip`` are excluded (start-up).
+**The ideal is an upper bound.** A learner step in the synchronous run is ``T_step = T_wait + T_busy``:
+``T_wait`` is the learner's wait for data (``timing/wait_data``), ``T_busy = T_step − T_wait`` is
+everything the learner itself does — compute, weight sync, reading, acknowledging, logging — taken as
+the remainder of the measured wall time, not as a sum of the phases we thought to time. (An earlier
+version used ``(T_gen + T_train) ÷ max(T_gen, T_train)`` from timed phases: it left untimed learner work
+out and assumed generation cannot get faster under overlap, and printed an efficiency of 1.13.) Overlap can
+hide at most the wait; the learner's own work per step is the same work in the asynchronous run and
+can only get slower there (it shares the machine with generation, and a weight update must pause a busy
+server), so ``T_step(async) ≥ T_busy(sync)``. That rests on an assumption a noisy machine can break for
+a repeat; ``T_step(async) ≥ T_busy(async)`` holds by definition. The ideal takes the smaller of the two:
 
-    python bench/overlap.py            # ~4 minutes on 2 CPU cores
+    ideal = T_step(sync) ÷ min(T_busy(sync), T_busy(async)) ≥ T_step(sync) ÷ T_step(async) = achieved,
+    efficiency = achieved ÷ ideal = min(T_busy(sync), T_busy(async)) ÷ T_step(async) ≤ 1 always.
+
+The ideal deliberately ignores the generator's bound: generation itself runs faster with more prompts
+in flight (bigger batches), so no figure from the synchronous run bounds it from below. When generation
+is the bottleneck the ideal is loose and the efficiency low — read it with ``T_wait`` and ``T_busy``.
+
+Each repeat runs both modes back to back, the order alternating from repeat to repeat; the figures
+``overlap/speedup`` and ``overlap/efficiency`` (goal ≥ 0.85) are medians of per-repeat values with their
+min–max. Steps before ``--skip`` are excluded (start-up). The final reward of both (equal samples: same
+steps × batch) is printed, not a figure.
+
+    python bench/overlap.py            # ~4 minutes a repeat on 2 CPU cores
     python bench/overlap.py --quick    # a smoke run
 """
 
@@ -28,11 +47,12 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import figure, ordered, report  # noqa: E402
 from tether.metrics import read_metrics  # noqa: E402
 
 
-def run_mode(args: argparse.Namespace, *, staleness: int, model: Path, out: Path) -> list[dict]:
-    run_id = f"overlap-s{staleness}"
+def run_mode(args: argparse.Namespace, *, staleness: int, model: Path, out: Path, repeat: int) -> list[dict]:
+    run_id = f"overlap-s{staleness}-r{repeat}"
     transport = {"type": args.transport, **({"master_port": 0} if args.transport == "gloo" else {})}
     cfg = {
         "run": {"run_id": run_id, "output_dir": str(out), "seed": 0, "tensorboard": False},
@@ -46,7 +66,7 @@ def run_mode(args: argparse.Namespace, *, staleness: int, model: Path, out: Path
     }  # fmt: skip
     path = out / f"{run_id}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    print(f"running max_staleness={staleness} ...", flush=True)
+    print(f"repeat {repeat}: running max_staleness={staleness} ...", flush=True)
     result = subprocess.run([sys.executable, "-m", "tether", "up", "--config", str(path)], cwd=REPO,
                             capture_output=True, text=True)  # fmt: skip
     if result.returncode != 0:
@@ -58,14 +78,17 @@ def summarize(rows: list[dict], skip: int) -> dict[str, float]:
     timed = rows[skip:]
     if len(timed) < 2:
         raise SystemExit("too few steps to time; raise --steps")
+    counted = timed if skip else timed[1:]  # the steps whose whole duration lies inside ``wall``
     wall = timed[-1]["time"] - rows[skip - 1]["time"] if skip else timed[-1]["time"] - timed[0]["time"]
-    samples = sum(r["learner/samples"] for r in (timed if skip else timed[1:]))
-    mean = lambda key: sum(r.get(key) or 0.0 for r in timed) / len(timed)  # noqa: E731
+    samples = sum(r["learner/samples"] for r in counted)
+    mean = lambda key: sum(r.get(key) or 0.0 for r in counted) / len(counted)  # noqa: E731
+    t_step = wall / len(counted)
     last = rows[-3:]
     return {
         "samples_per_s": samples / wall,
-        "t_gen": mean("timing/wait_data"),
-        "t_train": mean("timing/compute") + mean("timing/weight_sync"),
+        "t_step": t_step,
+        "t_wait": mean("timing/wait_data"),
+        "t_busy": t_step - mean("timing/wait_data"),
         "final_reward": sum(r["reward/mean"] for r in last) / len(last),
         "first_reward": rows[0]["reward/mean"],
         "staleness_mean": mean("staleness/mean"),
@@ -84,36 +107,71 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--transport", choices=["filesystem", "gloo"], default="gloo")
+    parser.add_argument("--repeats", type=int, default=None, help="sync + async pairs (default 3)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--out", type=Path, help="keep the run folders here (default: a temporary folder)")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.skip, args.batch, args.n, args.max_tokens, args.hidden, args.layers = 6, 2, 4, 4, 8, 64, 2
 
+    repeats = max(3, args.repeats or 3)
     from tether.tiny_model import make_tiny_model
 
+    pairs = []
     with tempfile.TemporaryDirectory(prefix="tether-overlap-") as tmp:
         out = args.out or Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
         model = make_tiny_model(out / "model", hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // 32))
-        sync = summarize(run_mode(args, staleness=0, model=model, out=out), args.skip)
-        asyn = summarize(run_mode(args, staleness=args.staleness, model=model, out=out), args.skip)
+        for k in range(repeats):
+            pair = {}
+            for mode, staleness in ordered([("sync", 0), ("async", args.staleness)], k):
+                pair[mode] = summarize(run_mode(args, staleness=staleness, model=model, out=out, repeat=k), args.skip)
+            pair["achieved"] = pair["async"]["samples_per_s"] / pair["sync"]["samples_per_s"]
+            pair["ideal"] = pair["sync"]["t_step"] / min(pair["sync"]["t_busy"], pair["async"]["t_busy"])
+            pair["efficiency"] = pair["achieved"] / pair["ideal"]
+            pairs.append(pair)
 
-    ideal = (sync["t_gen"] + sync["t_train"]) / max(sync["t_gen"], sync["t_train"])
-    achieved = asyn["samples_per_s"] / sync["samples_per_s"]
-    results = {"sync": sync, "async": asyn, "ideal": ideal, "achieved": achieved, "efficiency": achieved / ideal}
     print(f"\nsteps {args.steps} (timed from step {args.skip + 1}), {args.batch} prompts x {args.n} samples, "
           f"max_tokens {args.max_tokens}, model {args.hidden}x{args.layers}, transport {args.transport}")  # fmt: skip
-    print(f"{'mode':<22}{'samples/s':>10}{'T_gen s':>9}{'T_train s':>10}{'staleness':>10}{'reward':>16}")
-    for name, r in (("sync (max_staleness 0)", sync), (f"async (max_staleness {args.staleness})", asyn)):
-        print(f"{name:<22}{r['samples_per_s']:>10.1f}{r['t_gen']:>9.3f}{r['t_train']:>10.3f}"
-              f"{r['staleness_mean']:>10.2f}{r['first_reward']:>8.3f}->{r['final_reward']:.3f}")  # fmt: skip
-    print(f"achieved speed-up (async / sync samples/s): {achieved:.2f}")
-    print(f"ideal speed-up (T_gen + T_train) / max(T_gen, T_train): {ideal:.2f}")
-    print(f"efficiency (achieved / ideal): {achieved / ideal:.2f}   (goal >= 0.85)")
-    print(f"final reward async - sync at equal samples: {asyn['final_reward'] - sync['final_reward']:+.3f}")
+    print(f"{'repeat':<7}{'mode':<24}{'samples/s':>10}{'T_step s':>9}{'T_wait s':>9}{'T_busy s':>9}"
+          f"{'staleness':>10}{'reward':>16}")  # fmt: skip
+    for k, pair in enumerate(pairs):
+        for name, r in (
+            ("sync (max_staleness 0)", pair["sync"]),
+            (f"async (max_staleness {args.staleness})", pair["async"]),
+        ):
+            print(
+                f"{k:<7}{name:<24}{r['samples_per_s']:>10.1f}{r['t_step']:>9.3f}{r['t_wait']:>9.3f}{r['t_busy']:>9.3f}"
+                f"{r['staleness_mean']:>10.2f}{r['first_reward']:>8.3f}->{r['final_reward']:.3f}"
+            )
+        print(
+            f"{k:<7}achieved {pair['achieved']:.2f}, ideal T_step(sync)/min T_busy {pair['ideal']:.2f}, "
+            f"efficiency {pair['efficiency']:.2f}, final reward async - sync "
+            f"{pair['async']['final_reward'] - pair['sync']['final_reward']:+.3f}"
+        )
+    work = f"{args.batch}x{args.n} samples/step, {args.steps} steps, model {args.hidden}x{args.layers}"
+    report(
+        figure(
+            "overlap/speedup",
+            [p["achieved"] for p in pairs],
+            goal=None,
+            direction="min",
+            baseline=f"samples/s of the same run with max_staleness 0 (synchronous); {work}",
+        ),
+        quick=args.quick,
+    )
+    report(
+        figure(
+            "overlap/efficiency",
+            [p["efficiency"] for p in pairs],
+            goal=0.85,
+            direction="min",
+            baseline="speed-up over the ideal T_step(sync) / min(T_busy sync, async) (an upper bound)",
+        ),
+        quick=args.quick,
+    )
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps(pairs, indent=1))
 
 
 if __name__ == "__main__":

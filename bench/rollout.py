@@ -1,18 +1,33 @@
 """gRPC serving overhead: generated tokens/s through ``Rollout.Generate`` vs the same engine in-process.
 
-    python bench/rollout.py [--quick] [--model DIR] [--engine transformers|vllm]
+    python bench/rollout.py [--quick] [--repeats N] [--model DIR] [--engine transformers|vllm]
 
-Both sides use the same engine type, settings and prompts in one run: the baseline calls
-``engine.generate`` directly in this process; the measured side starts ``python -m rollout_server`` as
-a child and drives it with ``AsyncRolloutClient``. Each concurrency level (1, 8, 64 clients, each
-sending one request at a time) runs on both, alternately, after a warm-up. Goal: ratio >= 0.95.
-Timings are printed, never asserted. With no ``--model`` a tiny model is built in a temp folder.
+Both sides use the same engine type, settings and prompts in one run, and on both sides the load comes
+from a process of its own that does nothing else:
+
+* in-process (the baseline: what a user who embeds the engine would run): a worker process builds the
+  engine and calls ``engine.generate`` from its own event loop;
+* gRPC: ``python -m rollout_server`` as a child, driven by a separate worker process through
+  ``AsyncRolloutClient``.
+
+The driver (this process) only hands each worker "run n requests with c clients" over a pipe and reads
+back (tokens, seconds); it holds no engine and runs no event loop while a side is timed. Each
+concurrency level (1, 8, 64 clients, each sending one request at a time) runs ``--repeats`` times on
+both sides back to back, the side that goes first alternating, after a warm-up of both. The figure
+``rollout/grpc_vs_inprocess_<c>clients`` (goal ≥ 0.95) is the median of the per-repeat ratios with
+their min–max. Both engines live for the whole run (idle while the other side is timed); on a machine
+with few cores the server, its client process and the in-process worker share them, which is the
+load a rollout host sees. Timings are printed, never asserted. With no ``--model`` a tiny model is
+built in a temp folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -20,19 +35,37 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import figure, ordered, report
+
 CONCURRENCY = (1, 8, 64)
+RESULT = "RESULT "  # worker stdout lines that carry an answer; anything else (library chatter) is ignored
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer requests and tokens (seconds, for tests)")
+    p.add_argument("--repeats", type=int, default=0, help="timed repeats per side and concurrency (default 3)")
     p.add_argument("--model", default="", help="local HF model folder (default: a tiny model built now)")
     p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
     p.add_argument("--max-tokens", type=int, default=0, help="tokens per request (default 16 quick / 64)")
-    return p.parse_args()
+    p.add_argument("--worker", choices=["local", "remote"], help=argparse.SUPPRESS)
+    p.add_argument("--address", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
 
 
-async def drive(call, n_requests: int, concurrency: int) -> tuple[int, float]:
+def overrides(model: str, engine: str, max_tokens: int) -> list[str]:
+    engine_cfg = (
+        "{type: transformers, max_num_seqs: 64, batch_wait_ms: 10}"
+        if engine == "transformers"
+        else "{type: vllm, enforce_eager: true, max_num_seqs: 64}"
+    )
+    return [
+        *("--model.path", model, "--rollout.engine", engine_cfg),
+        *("--rollout.max_tokens", str(max_tokens), "--rollout.max_n", "64", "--rollout.prompt_workers", "0"),
+    ]
+
+
+async def drive(call, n_requests: int, concurrency: int) -> tuple[int, float]:  # type: ignore[no-untyped-def]
     """Run ``n_requests`` calls with ``concurrency`` workers; returns (generated tokens, seconds)."""
     queue = list(range(n_requests))
     total = 0
@@ -48,12 +81,94 @@ async def drive(call, n_requests: int, concurrency: int) -> tuple[int, float]:
     return total, time.perf_counter() - start
 
 
-async def main() -> int:
-    args = parse()
+async def serve_worker(args: argparse.Namespace) -> int:
+    """A load process: warm up, say ready, then answer one ``{"n", "c"}`` line on stdin per run."""
     from rollout_server.engines import SamplingSpec, build_engine
-    from rollout_server.launch import spawn_server
-    from tether.client import AsyncRolloutClient
     from tether.config import load_config
+
+    cfg = load_config(None, overrides(args.model, args.engine, args.max_tokens))
+    prompts = [f"prompt number {i}: " for i in range(256)]
+    if args.worker == "local":
+        engine = build_engine(cfg)
+        await engine.start()
+        spec = SamplingSpec(n=1, temperature=1.0, max_tokens=args.max_tokens)
+        ids = [engine.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+
+        async def call(i: int) -> int:
+            (s,) = await engine.generate(ids[i % len(ids)], spec)
+            return len(s.token_ids)
+
+        close = engine.shutdown
+    else:
+        from transformers import AutoTokenizer
+
+        from tether.client import AsyncRolloutClient
+
+        tok = AutoTokenizer.from_pretrained(args.model)
+        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        client = AsyncRolloutClient(args.address, timeout_s=600)
+
+        async def call(i: int) -> int:
+            out = await client.generate(token_ids=ids[i % len(ids)], n=1, max_tokens=args.max_tokens, temperature=1.0)
+            return len(out.samples[0].token_ids)
+
+        close = client.close
+    try:
+        await drive(call, 4, 2)  # warm-up: first-call allocations, thread pools, channel connect
+        print(RESULT + json.dumps({"ready": True}), flush=True)
+        loop = asyncio.get_running_loop()
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            job = json.loads(line)
+            tokens, seconds = await drive(call, job["n"], job["c"])
+            print(RESULT + json.dumps({"tokens": tokens, "seconds": seconds}), flush=True)
+    finally:
+        await close()
+    return 0
+
+
+class Worker:
+    """The driver's handle on a load process."""
+
+    def __init__(self, args: argparse.Namespace, side: str, model: str, max_tokens: int, address: str = "") -> None:
+        cmd = [sys.executable, __file__, "--worker", side, "--model", model, "--engine", args.engine]
+        cmd += ["--max-tokens", str(max_tokens), *(["--address", address] if address else [])]
+        self.side = side
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._answer()  # ready
+
+    def _answer(self) -> dict:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(RESULT):
+                return json.loads(line[len(RESULT) :])
+        raise RuntimeError(f"the {self.side} load process exited ({self.proc.wait()}) without answering")
+
+    def run(self, n: int, c: int) -> float:
+        """Generated tokens/s of ``n`` requests from ``c`` concurrent clients."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"n": n, "c": c}) + "\n")
+        self.proc.stdin.flush()
+        out = self._answer()
+        return out["tokens"] / out["seconds"]
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    max_tokens = args.max_tokens or (16 if args.quick else 64)
+    args.max_tokens = max_tokens
+    if args.worker:
+        return asyncio.run(serve_worker(args))
+    repeats = max(3, args.repeats or 3)
+
+    from rollout_server.launch import spawn_server
     from tether.redis_server import free_port
 
     tmp = Path(tempfile.mkdtemp(prefix="tether-bench-"))
@@ -62,70 +177,52 @@ async def main() -> int:
         from tether.tiny_model import make_tiny_model
 
         model = str(make_tiny_model(tmp / "tiny", hidden=128, layers=2, heads=4, seed=0))
-    max_tokens = args.max_tokens or (16 if args.quick else 64)
-    engine_cfg = (
-        "{type: transformers, max_num_seqs: 64, batch_wait_ms: 10}"
-        if args.engine == "transformers"
-        else "{type: vllm, enforce_eager: true, max_num_seqs: 64}"
-    )
-    overrides = [
-        "--model.path",
-        model,
-        "--rollout.engine",
-        engine_cfg,
-        "--rollout.max_tokens",
-        str(max_tokens),
-        "--rollout.max_n",
-        "64",
-        "--rollout.prompt_workers",
-        "0",
-    ]
-    cfg = load_config(None, overrides)
-    prompts = [f"prompt number {i}: " for i in range(256)]
-    spec = SamplingSpec(n=1, temperature=1.0, max_tokens=max_tokens)
-
-    print(f"engine={args.engine} model={model} max_tokens={max_tokens} quick={args.quick}", flush=True)
-    print("starting the rollout server process ...", flush=True)
-    server = spawn_server(overrides, port=free_port(), log_path=tmp / "server.log", wait_s=600)
-    engine = build_engine(cfg)
-    await engine.start()
-    ids = [engine.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    rows = []
+    print(f"engine={args.engine} model={model} max_tokens={max_tokens} quick={args.quick} repeats={repeats}")
+    print("starting the rollout server process and the two load processes ...", flush=True)
+    server = spawn_server(overrides(model, args.engine, max_tokens), port=free_port(), log_path=tmp / "server.log",
+                          wait_s=600)  # fmt: skip
+    workers: dict[str, Worker] = {}
+    rows, turn = [], 0
     try:
-        async with AsyncRolloutClient(server.address, timeout_s=600) as client:
-
-            async def local(i: int) -> int:
-                (s,) = await engine.generate(ids[i % len(ids)], spec)
-                return len(s.token_ids)
-
-            async def remote(i: int) -> int:
-                out = await client.generate(token_ids=ids[i % len(ids)], n=1, max_tokens=max_tokens, temperature=1.0)
-                return len(out.samples[0].token_ids)
-
-            await drive(local, 4, 2)  # warm-up: first-call allocations, thread pools, channel connect
-            await drive(remote, 4, 2)
-            for c in CONCURRENCY:
-                n_requests = max(2 * c, 8) if args.quick else max(4 * c, 32)
-                tok_l, sec_l = await drive(local, n_requests, c)
-                tok_r, sec_r = await drive(remote, n_requests, c)
-                rows.append((c, n_requests, tok_l / sec_l, tok_r / sec_r))
-                print(
-                    f"  concurrency {c:>3}: in-process {tok_l / sec_l:9.1f} tok/s, gRPC {tok_r / sec_r:9.1f} tok/s",
-                    flush=True,
-                )
+        workers["local"] = Worker(args, "local", model, max_tokens)
+        workers["remote"] = Worker(args, "remote", model, max_tokens, server.address)
+        for c in CONCURRENCY:
+            n_requests = max(2 * c, 8) if args.quick else max(4 * c, 32)
+            rates: dict[str, list[float]] = {"local": [], "remote": []}
+            for _ in range(repeats):
+                for side in ordered(["local", "remote"], turn):
+                    rates[side].append(workers[side].run(n_requests, c))
+                turn += 1
+            rows.append((c, n_requests, rates))
+            print(f"  {c:>3} clients: in-process {statistics.median(rates['local']):9.1f} tok/s, "
+                  f"gRPC {statistics.median(rates['remote']):9.1f} tok/s (medians)", flush=True)  # fmt: skip
     finally:
-        await engine.shutdown()
+        for w in workers.values():
+            w.close()
         server.terminate()
 
     print()
     print("| clients | requests | in-process tok/s | gRPC tok/s | ratio gRPC/in-process |")
     print("|--------:|---------:|-----------------:|-----------:|----------------------:|")
-    for c, n, local_rate, remote_rate in rows:
-        print(f"| {c:>7} | {n:>8} | {local_rate:>16.1f} | {remote_rate:>10.1f} | {remote_rate / local_rate:>21.3f} |")
-    worst = min(r[3] / r[2] for r in rows)
-    print(f"\nworst ratio {worst:.3f} (goal >= 0.95)")
+    figures = []
+    for c, n, rates in rows:
+        ratios = [r / loc for r, loc in zip(rates["remote"], rates["local"], strict=True)]
+        fig = figure(
+            f"rollout/grpc_vs_inprocess_{c}clients",
+            ratios,
+            goal=0.95,
+            direction="min",
+            baseline=f"the same {args.engine} engine called in-process by its own load process; {c} clients, "
+            f"{max_tokens} tokens/request",
+        )
+        figures.append(fig)
+        local, remote = statistics.median(rates["local"]), statistics.median(rates["remote"])
+        print(f"| {c:>7} | {n:>8} | {local:>16.1f} | {remote:>10.1f} | {fig.ratio:>21.3f} |")
+    print()
+    for fig in figures:
+        report(fig, quick=args.quick)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    sys.exit(main())

@@ -1,23 +1,29 @@
-"""Weight-sync bandwidth against the wire's own speed, measured in the same run.
+"""Weight-sync bandwidth against the wire's own speed and against the peers' pattern, in the same run.
 
     python bench/weight_sync.py [--quick] [--repeats N]
 
-A full update (prepare over gRPC → gather + pack → bucketed gloo broadcast → commit: load into a live
-transformers model) of a ~100M-parameter Qwen2-style model with random weights (``--quick``: the tiny
-test model) to 1 and 2 standalone receiver processes, against two baselines on the same machine with
-the same number of receivers:
-  * ``raw``: one ``dist.broadcast`` of a single flat buffer of the same bytes (the ceiling), reused
-    across rounds on both sides;
-  * ``per-tensor``: one ``dist.broadcast`` per tensor followed by a ``barrier`` (what some peers do).
-Ratios are bytes/s of tether over bytes/s of a baseline (higher is better; goal vs raw >= 0.8). The
-``transfer`` column is the gather + pack + broadcast stage alone (no gRPC, no load). Timings here are
-only comparable within one run.
+A full tether update (prepare over gRPC → gather + pack → bucketed gloo broadcast → commit: load into a
+live transformers model) of a ~100M-parameter Qwen2-style model with random weights (``--quick``: the
+tiny test model) to 1 and 2 standalone receiver processes, against two baselines sent from the same
+process to the same number of plain receiver processes:
+
+* ``raw``: one ``dist.broadcast`` of a single flat buffer of the same bytes, reused across rounds on
+  both sides — the wire's ceiling, with nothing to pack and nothing to load;
+* ``per-param``: one ``dist.broadcast`` per parameter with **no barrier** between them, into tensors the
+  receiver already holds — what TRL and PipelineRL do (the pattern a peer would actually use).
+
+Figures (bytes/s of tether over bytes/s of a baseline = baseline seconds / tether seconds):
+``weight_sync/update_vs_raw_<n>recv`` (goal ≥ 0.8), ``weight_sync/update_vs_per_param_<n>recv``
+(goal ≥ 1: tether is not slower than the peers' pattern) and, without a goal,
+``weight_sync/transfer_vs_raw_<n>recv`` (the gather + pack + broadcast stage alone, no gRPC, no load).
 
 Like with like: every timing is taken on the sending process and ends when every receiver holds the
-bytes (tether: the Commit replies; raw: a barrier after the broadcast, since the root's broadcast can
-return while the last bytes are still in socket buffers). The first round of each (connections, group
-build, buffers touched for the first time) is reported apart (``first`` columns); the ratios are the
-median of the ``--repeats`` rounds after it (steady state).
+bytes (tether: the Commit replies, i.e. loaded; baselines: one barrier after the last broadcast, since
+the root's broadcast can return while the last bytes are still in socket buffers). Both sides' receivers
+live through the whole run; each round runs tether, raw and per-param once, in an order that rotates
+from round to round. Round 0 (connections, group build, buffers touched for the first time) is
+reported apart (``first`` columns); each figure is the median over ``--repeats`` later rounds of the
+per-round ratio, with its min–max.
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import figure, ordered, report
+
+RAW, PER_PARAM, STOP = 0, 1, -1  # commands the root broadcasts to the baseline peers
+
 MODEL_SIZES = {"quick": {"hidden": 128, "layers": 2, "heads": 4}, "full": {"hidden": 768, "layers": 16, "heads": 12}}
 
 
@@ -46,23 +56,35 @@ def model_kwargs(quick: bool) -> dict:
 
 
 def peer(args: argparse.Namespace) -> int:
-    """A baseline receiver: joins a plain gloo world and receives what ``run_baselines`` sends."""
+    """A baseline receiver: joins a plain gloo world and receives what ``Baselines`` sends, until told to stop."""
     import torch
     import torch.distributed as dist
 
-    # Shapes first: the root's first timed broadcast must not wait for this peer to import transformers.
+    # Buffers first: the root's first timed broadcast must not wait for this peer to import transformers.
     shapes = _shapes(args.model)
-    flat = torch.empty(sum(int(torch.tensor(s).prod()) if s else 1 for s in shapes), dtype=torch.float32)
+    flat = torch.empty(sum(_numel(s) for s in shapes), dtype=torch.float32)
+    params = [torch.empty(s, dtype=torch.float32) for s in shapes]  # a receiver's model holds these already
     dist.init_process_group("gloo", init_method=args.init, rank=args.rank, world_size=args.world)
-    for _ in range(args.repeats + 1):
-        dist.broadcast(flat, src=0)
+    command = torch.zeros(1, dtype=torch.int64)
+    while True:
+        dist.broadcast(command, src=0)
+        if int(command) == STOP:
+            break
+        if int(command) == RAW:
+            dist.broadcast(flat, src=0)
+        else:
+            for t in params:
+                dist.broadcast(t, src=0)
         dist.barrier()
-    for _ in range(args.repeats + 1):
-        for shape in shapes:
-            dist.broadcast(torch.empty(shape, dtype=torch.float32), src=0)
-            dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _shapes(model_dir: str) -> list[tuple[int, ...]]:
@@ -74,119 +96,154 @@ def _shapes(model_dir: str) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for _, p in model.named_parameters()]
 
 
-def run_baselines(model, model_dir: Path, receivers: int, repeats: int) -> tuple[float, float, float]:
-    """Seconds of the first flat broadcast, then medians of the later ones and of per-tensor + barrier."""
-    import torch
-    import torch.distributed as dist
+class Baselines:
+    """Rank 0 of a plain gloo world with ``receivers`` peer processes; times one raw or per-param round."""
 
-    from tether.redis_server import free_port
+    def __init__(self, model, model_dir: Path, receivers: int) -> None:
+        import torch
+        import torch.distributed as dist
 
-    init = f"tcp://127.0.0.1:{free_port()}"
-    peers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--peer",
-                "--init",
-                init,
-                "--rank",
-                str(r + 1),
-                "--world",
-                str(receivers + 1),
-                "--model",
-                str(model_dir),
-                "--repeats",
-                str(repeats),
-            ],
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        for r in range(receivers)
-    ]
-    dist.init_process_group("gloo", init_method=init, rank=0, world_size=receivers + 1)
-    params = [p.detach() for _, p in model.named_parameters()]
-    flat = torch.cat([p.reshape(-1) for p in params])
-    raw, per_tensor = [], []
-    for _ in range(repeats + 1):  # the first round warms the connections up (reported apart)
+        from tether.redis_server import free_port
+
+        init = f"tcp://127.0.0.1:{free_port()}"
+        self.peers = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--peer",
+                    "--init",
+                    init,
+                    "--rank",
+                    str(r + 1),
+                    "--world",
+                    str(receivers + 1),
+                    "--model",
+                    str(model_dir),
+                ],
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+            for r in range(receivers)
+        ]
+        dist.init_process_group("gloo", init_method=init, rank=0, world_size=receivers + 1)
+        self.params = [p.detach().contiguous() for _, p in model.named_parameters()]
+        self.flat = torch.cat([p.reshape(-1) for p in self.params])
+
+    def round(self, kind: int) -> float:
+        """Seconds from the first byte sent until every peer holds all of them."""
+        import torch
+        import torch.distributed as dist
+
+        dist.broadcast(torch.tensor([kind], dtype=torch.int64), src=0)  # before the clock starts
         start = time.perf_counter()
-        dist.broadcast(flat, src=0)
+        if kind == RAW:
+            dist.broadcast(self.flat, src=0)
+        else:
+            for p in self.params:  # no barrier in between: TRL's and PipelineRL's loop
+                dist.broadcast(p, src=0)
         dist.barrier()  # ends when every peer has the bytes, as a tether update ends at their commit
-        raw.append(time.perf_counter() - start)
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        for p in params:
-            dist.broadcast(p.contiguous(), src=0)
-            dist.barrier()
-        if i:
-            per_tensor.append(time.perf_counter() - start)
-    dist.destroy_process_group()
-    for p in peers:
-        p.wait(60)
-    return raw[0], statistics.median(raw[1:]), statistics.median(per_tensor)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        dist.broadcast(torch.tensor([STOP], dtype=torch.int64), src=0)
+        dist.destroy_process_group()
+        for p in self.peers:
+            p.wait(60)
 
 
-def run_tether(model, model_dir: Path, workdir: Path, receivers: int, repeats: int) -> dict[str, float]:
-    """Seconds of the first update; medians of later full updates and their stages; the group build."""
-    import yaml
+class Tether:
+    """A ``WeightSender`` with ``receivers`` standalone receiver processes; times one full update."""
 
-    from tether.config.loader import load_config
-    from weight_sync.sender import WeightSender
-    from weight_sync.standalone import ReceiverProcess
+    def __init__(self, model, model_dir: Path, workdir: Path, receivers: int) -> None:
+        import yaml
 
-    config = workdir / f"bench-{receivers}.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "run": {"run_id": "bench", "output_dir": str(workdir / "runs")},
-                "weight_sync": {
-                    "transport": {"type": "gloo", "master_port": 0},
-                    "snapshot_every": 0,
-                    "bucket_size_mb": 64,
-                    "prepare_timeout_s": 60,
-                    "transfer_timeout_s": 300,
-                    "commit_timeout_s": 300,
-                },
-            }
+        from tether.config.loader import load_config
+        from weight_sync.sender import WeightSender
+        from weight_sync.standalone import ReceiverProcess
+
+        config = workdir / f"bench-{receivers}.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "run": {"run_id": "bench", "output_dir": str(workdir / "runs")},
+                    "weight_sync": {
+                        "transport": {"type": "gloo", "master_port": 0},
+                        "snapshot_every": 0,
+                        "bucket_size_mb": 64,
+                        "prepare_timeout_s": 60,
+                        "transfer_timeout_s": 300,
+                        "commit_timeout_s": 300,
+                    },
+                }
+            )
         )
-    )
-    cfg = load_config(config)
-    procs = [ReceiverProcess(config=config, model=model_dir, workdir=workdir, timeout_s=300) for _ in range(receivers)]
-    sender = WeightSender(cfg, model=model, servers=[p.address for p in procs])
-    try:
-        rounds = []
-        for version in range(1, repeats + 2):
-            metrics = sender.publish(version)
-            if metrics["weight_sync/reached"] != receivers:
-                raise RuntimeError(f"update {version} reached {metrics['weight_sync/reached']}: {sender.last_dropped}")
-            rounds.append(metrics)
-        steady = {
-            stage: statistics.median(m[f"weight_sync/{stage}"] for m in rounds[1:])
-            for stage in ("seconds", "prepare_seconds", "transfer_seconds", "commit_seconds")
-        }
-        return {
-            **steady,
-            "first": rounds[0]["weight_sync/seconds"],
-            "rebuild": rounds[0]["weight_sync/group_rebuild_seconds"],
-        }
-    finally:
-        sender.close()
-        for p in procs:
+        self.receivers = receivers
+        self.procs = [
+            ReceiverProcess(config=config, model=model_dir, workdir=workdir, timeout_s=300) for _ in range(receivers)
+        ]
+        self.sender = WeightSender(load_config(config), model=model, servers=[p.address for p in self.procs])
+        self.version = 0
+
+    def round(self) -> dict[str, float]:
+        self.version += 1
+        metrics = self.sender.publish(self.version)
+        if metrics["weight_sync/reached"] != self.receivers:
+            raise RuntimeError(
+                f"update {self.version} reached {metrics['weight_sync/reached']}: {self.sender.last_dropped}"
+            )
+        return metrics
+
+    def close(self) -> None:
+        self.sender.close()
+        for p in self.procs:
             p.stop()
+
+
+def measure(model, model_dir: Path, workdir: Path, receivers: int, repeats: int) -> list[dict[str, float]]:
+    """Round 0 (warm-up) then ``repeats`` rounds; each round times tether, raw and per-param, order rotating."""
+    tether = Tether(model, model_dir, workdir, receivers)
+    try:
+        baselines = Baselines(model, model_dir, receivers)
+    except BaseException:
+        tether.close()
+        raise
+    rounds = []
+    try:
+        for k in range(repeats + 1):
+            row: dict[str, float] = {}
+            for side in ordered(["tether", "raw", "per_param"], k):
+                if side == "tether":
+                    m = tether.round()
+                    row["tether"] = m["weight_sync/seconds"]
+                    row["transfer"] = m["weight_sync/transfer_seconds"]
+                    row["prepare"] = m["weight_sync/prepare_seconds"]
+                    row["commit"] = m["weight_sync/commit_seconds"]
+                    row["rebuild"] = m["weight_sync/group_rebuild_seconds"]
+                else:
+                    row[side] = baselines.round(RAW if side == "raw" else PER_PARAM)
+            rounds.append(row)
+    finally:
+        baselines.close()
+        tether.close()
+    return rounds
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, one repeat (a smoke run)")
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="tiny model (a smoke run)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds after the warm-up (default 5; >= 3)")
     parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--init", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.repeats = args.repeats or (1 if args.quick else 3)
     if args.peer:
         return peer(args)
+    args.repeats = max(3, args.repeats or (3 if args.quick else 5))
 
     import torch
 
@@ -194,43 +251,56 @@ def main(argv: list[str] | None = None) -> int:
     from weight_sync.standalone import ModelEngine
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    figures = []
     with tempfile.TemporaryDirectory(prefix="tether-bench-ws-") as tmp:
         workdir = Path(tmp)
         model_dir = make_tiny_model(workdir / "model", seed=0, **model_kwargs(args.quick))
         model = ModelEngine.from_path(model_dir).model
         nparams = sum(p.numel() for p in model.parameters())
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        what = f"{nparams / 1e6:.1f}M params, {nbytes / 2**20:.1f} MiB float32, gloo on loopback"
+        print(f"model: {what}; {args.repeats} rounds after a warm-up, order rotating")
+        mb = nbytes / 1e6
         print(
-            f"model: {nparams / 1e6:.1f}M parameters, {nbytes / 2**20:.1f} MiB float32; gloo on loopback; "
-            f"median of {args.repeats}"
+            f"{'n':>3} {'tether MB/s':>12} {'transfer MB/s':>14} {'raw MB/s':>9} {'per-param MB/s':>15}"
+            f" {'prepare s':>10} {'commit s':>9} {'first tether s':>15} {'first raw s':>12} {'group build s':>14}"
         )
-        header = (
-            f"{'receivers':>9} {'tether MB/s':>12} {'transfer MB/s':>14} {'raw MB/s':>9} {'per-tensor MB/s':>16}"
-            f" {'vs raw':>7} {'transfer vs raw':>16} {'vs per-tensor':>14} {'first tether s':>15}"
-            f" {'first raw s':>12} {'first vs raw':>13} {'group build s':>14}"
-        )
-        rows, stages = [], []
         for receivers in (1, 2):
-            t = run_tether(model, model_dir, workdir, receivers, args.repeats)
-            raw_first, raw, per_tensor = run_baselines(model, model_dir, receivers, args.repeats)
-            mb = nbytes / 1e6
-            total = t["seconds"]
-            rows.append(
-                f"{receivers:>9} {mb / total:>12.1f} {mb / t['transfer_seconds']:>14.1f} {mb / raw:>9.1f} "
-                f"{mb / per_tensor:>16.1f} {raw / total:>7.2f} {raw / t['transfer_seconds']:>16.2f} "
-                f"{per_tensor / total:>14.2f} {t['first']:>15.3f} {raw_first:>12.3f} "
-                f"{raw_first / t['first']:>13.2f} {t['rebuild']:>14.3f}"
+            first, *rounds = measure(model, model_dir, workdir, receivers, args.repeats)
+            med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+            print(
+                f"{receivers:>3} {mb / med['tether']:>12.1f} {mb / med['transfer']:>14.1f} {mb / med['raw']:>9.1f}"
+                f" {mb / med['per_param']:>15.1f} {med['prepare']:>10.3f} {med['commit']:>9.3f}"
+                f" {first['tether']:>15.3f} {first['raw']:>12.3f} {first['rebuild']:>14.3f}"
             )
-            stages.append(
-                f"{receivers:>9} {total:>8.3f} {t['prepare_seconds']:>10.3f} {t['transfer_seconds']:>11.3f} "
-                f"{t['commit_seconds']:>9.3f} {raw:>7.3f}"
-            )
-        # The ratio table comes last: tests/integration/test_weight_sync_bench.py reads the rows after it.
-        print("steady-state seconds per stage (median)")
-        print(f"{'n':>9} {'update':>8} {'prepare':>10} {'transfer':>11} {'commit':>9} {'raw':>7}")
-        print("\n".join(stages))
-        print(header)
-        print("\n".join(rows))
+            tag = f"{receivers}recv"
+            to = f"{receivers} receiver process{'es' if receivers > 1 else ''}, {what}"
+            figures += [
+                figure(
+                    f"weight_sync/update_vs_raw_{tag}",
+                    [r["raw"] / r["tether"] for r in rounds],
+                    goal=0.8,
+                    direction="min",
+                    baseline=f"one raw dist.broadcast of the same bytes as one flat buffer to {to}",
+                ),
+                figure(
+                    f"weight_sync/update_vs_per_param_{tag}",
+                    [r["per_param"] / r["tether"] for r in rounds],
+                    goal=1.0,
+                    direction="min",
+                    baseline=f"dist.broadcast per parameter, no barrier between (TRL / PipelineRL) to {to}",
+                ),
+                figure(
+                    f"weight_sync/transfer_vs_raw_{tag}",
+                    [r["raw"] / r["transfer"] for r in rounds],
+                    goal=None,
+                    direction="min",
+                    baseline=f"one raw dist.broadcast (tether's gather + pack + broadcast stage only) to {to}",
+                ),
+            ]
+    print("columns: medians of the timed rounds; first: round 0 (connections, group build)")
+    for f in figures:
+        report(f, quick=args.quick)
     return 0
 
 

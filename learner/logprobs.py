@@ -77,7 +77,13 @@ def forward_micro_batch(
     kwargs = {"use_cache": False}
     if mb.attention_mask is not None:
         kwargs["attention_mask"] = mb.attention_mask.to(device, non_blocking=True)
-        logits = model(input_ids=input_ids, position_ids=position_ids, **kwargs).logits
+        # The LM head only from the first column any row needs a logit at: the prompt columns every row
+        # shares would otherwise cost a [rows, columns, vocab] product that is thrown away.
+        seq = mb.input_ids.shape[1]
+        first = int((mb.logit_index % seq).min())
+        keep = seq - first
+        logits = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, **kwargs).logits
+        index = (index // seq) * keep + (index % seq - first)
         logits = logits.reshape(-1, logits.shape[-1])[index]
     else:
         # No attention mask + restarting position ids: transformers' packed-sequence path. The boundaries go

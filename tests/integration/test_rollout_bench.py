@@ -1,7 +1,9 @@
-"""``bench/rollout.py --quick`` runs and prints its ratio table (timings are never asserted)."""
+"""``bench/rollout.py --quick`` runs and reports one figure per concurrency (timings are never asserted)."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,16 +14,22 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_rollout_bench_quick_prints_ratios() -> None:
+def test_rollout_bench_quick_reports_ratios(tmp_path: Path) -> None:
+    results = tmp_path / "figures.jsonl"
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "rollout.py"), "--quick"],
         capture_output=True,
         text=True,
         timeout=280,
         cwd=ROOT,
+        env={**os.environ, "TETHER_BENCH_RESULTS": str(results)},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ratio gRPC/in-process" in out.stdout
     rows = [line for line in out.stdout.splitlines() if line.startswith("|") and line.split("|")[1].strip().isdigit()]
     assert [int(r.split("|")[1]) for r in rows] == [1, 8, 64]
-    assert all(float(r.split("|")[5]) > 0 for r in rows)
+    figures = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [f["name"] for f in figures] == [f"rollout/grpc_vs_inprocess_{c}clients" for c in (1, 8, 64)]
+    for f in figures:
+        assert f["ratio"] > 0 and f["spread"][0] <= f["ratio"] <= f["spread"][1] and f["repeats"] >= 3
+        assert f["goal"] == 0.95 and f["direction"] == "min"
