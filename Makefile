@@ -73,16 +73,20 @@ protos: install
 check-protos: install
 	$(PY) -m tether.protogen --check
 
-# Every benchmark, one after another (tens of minutes on 2 cores), each printing its ratios into
-# $(BENCH_RESULTS). One of them: make bench BENCH=vs_trl; a smoke run: make bench BENCH_ARGS=--quick.
-BENCH ?= overlap learner buffer weight_sync rollout load vs_trl
+# Every benchmark, one after another (tens of minutes on 2 cores; nothing else may run meanwhile). Each
+# appends its figures (ratio against a baseline of the same run, spread over >= 3 repeats, goal) to
+# bench/results.jsonl; bench/report.py turns them into bench/results.json and bench/results.md, the README's
+# table. One of them: make bench BENCH=vs_trl; a smoke run: make bench BENCH_ARGS=--quick.
+BENCH ?= overlap learner buffer weight_sync rollout load vs_trl learning fleet_local
 BENCH_ARGS ?=
-BENCH_RESULTS ?= bench/results.txt
+BENCH_RESULTS := bench/results.jsonl
 bench: install-bench
-	set -o pipefail; : > $(BENCH_RESULTS); for b in $(BENCH); do \
-		echo "== bench/$$b.py $(BENCH_ARGS)  ($$(date -u +%FT%TZ), $$(nproc) cores)" | tee -a $(BENCH_RESULTS); \
-		$(PY) bench/$$b.py $(BENCH_ARGS) 2>&1 | tee -a $(BENCH_RESULTS) || exit 1; \
+	rm -f $(BENCH_RESULTS)
+	set -e; for b in $(BENCH); do \
+		echo "== bench/$$b.py $(BENCH_ARGS)  ($$(date -u +%FT%TZ), $$(nproc) cores)"; \
+		TETHER_BENCH_RESULTS=$(CURDIR)/$(BENCH_RESULTS) $(PY) bench/$$b.py $(BENCH_ARGS); \
 	done
+	$(PY) bench/report.py $(BENCH_RESULTS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

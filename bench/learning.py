@@ -29,6 +29,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import figure  # noqa: E402
+from bench.common import report as report_figure  # noqa: E402
 from tether.metrics import read_metrics  # noqa: E402
 
 VAL_KEY = "val/mean@k"
@@ -80,6 +82,25 @@ def mean_std(xs: list[float]) -> tuple[float, float]:
 def fmt(xs: list[float], spec: str = ".3f") -> str:
     m, s = mean_std(xs)
     return f"{m:{spec}}±{s:{spec}}"
+
+
+def figures(results: dict[int, list[dict]], *, quick: bool) -> None:
+    """Into ``make bench``'s results: per asynchronous mode, samples/s and final held-out accuracy against the
+    synchronous run of the same seed (the issue's claims: faster per second, not materially worse per sample)."""
+    sync = results.get(0)
+    if not sync:
+        return
+    for m in sorted(k for k in results if k):
+        pairs = list(zip(results[m], sync, strict=True))
+        speed = [a["samples_per_s"] / s["samples_per_s"] for a, s in pairs]
+        sync_run = "the synchronous run (max_staleness 0) of the same seed"
+        report_figure(figure(f"learning/async{m}_samples_per_s", speed, goal=1.0, direction="min", baseline=sync_run),
+                      quick=quick)  # fmt: skip
+        last = max(set.intersection(*(set(r["val"]) for r in results[m] + sync)))
+        acc = [a["val"][last] / max(s["val"][last], 1e-9) for a, s in pairs]
+        report_figure(figure(f"learning/async{m}_final_accuracy", acc, goal=0.95, direction="min",
+                             baseline=f"held-out accuracy of the synchronous run of the same seed at step {last}"),
+                      quick=quick)  # fmt: skip
 
 
 def report(results: dict[int, list[dict]], args: argparse.Namespace) -> str:
@@ -187,6 +208,7 @@ def main() -> None:
     print(f"\n{args.seeds} seeds x modes {modes}: {args.steps} steps x {args.batch} prompts x {args.n} samples, "
           f"evaluated every {args.test_freq} steps on {args.val_prompts} held-out prompts")  # fmt: skip
     print(report(results, args))
+    figures(results, quick=args.quick)
     plot(results, args.png)
     print(f"plot: {args.png}")
     if args.json:

@@ -42,6 +42,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import figure  # noqa: E402
+from bench.common import report as report_figure  # noqa: E402
+
 PROMPTS, SAMPLES, LR = 8, 8, 3e-3
 SIZES = {
     "64x2": {"hidden": 64, "layers": 2, "heads": 2, "tokens": 8},
@@ -232,6 +235,15 @@ def main() -> None:
                     else:
                         trials[system].append(tether_trial(staleness=int(system == "async"), **common))
             results[size] = report(size, trials, args.skip)
+            for system, goal in (("async", 1.5), ("sync", 1.0)):  # the goals: samples/s vs TRL's
+                fig = figure(
+                    f"vs_trl/{size}_{system}_samples_per_s",
+                    results[size][f"ratio_{system}"],
+                    goal=goal,
+                    direction="min",
+                    baseline=f"TRL GRPOTrainer on the same job, same seed ({size})",
+                )
+                report_figure(fig, quick=args.quick)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1))

@@ -112,7 +112,7 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
         if not cfg.buffer.redis_url:
             raise ValueError("buffer.redis_url is empty: start the learner with `tether up`, or give a Redis URL")
         client = connect_redis(cfg.buffer.redis_url)
-        if resume and state.step > 0:
+        if resume:
             snap = latest_snapshot(paths.snapshots)
             plan = plan_resume_version(state.version, published=read_version(client, RedisKeys(cfg.run.run_id)),
                                        snapshot=snap[0] if snap else None)  # fmt: skip

@@ -128,7 +128,8 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
     from tether.redis_server import EmbeddedRedis
 
     embedded = None
-    supervisor = Supervisor(grace_s=cfg.rollout.drain_timeout_s + 5)
+    supervisor = Supervisor(grace_s=cfg.rollout.drain_timeout_s + 5, max_restarts=cfg.run.max_restarts,
+                            backoff_s=cfg.run.restart_backoff_s)  # fmt: skip
     previous_term = signal.signal(signal.SIGTERM, _interrupt)  # kill, systemd, container runtimes: as Ctrl-C
     url = cfg.buffer.redis_url
     try:
@@ -140,12 +141,16 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
         log.info("run_started", run_id=cfg.run.run_id, folder=str(paths.root), resume=resume)
         learner = learner_command(cfg, resume=resume, redis_url=url if embedded else "")
         env = {**thread_env(cfg, "learner"), **gpus.learner_env}
-        supervisor.start(ChildSpec("learner", learner, paths.console_file("learner"), env=env, primary=True))
+        # A learner that dies comes back from its last checkpoint; Redis (still up) keeps what it had not trained.
+        again = learner_command(cfg, resume=True, redis_url=url if embedded else "")
+        supervisor.start(ChildSpec("learner", learner, paths.console_file("learner"), env=env, primary=True,
+                                   restartable=True, restart_cmd=again))  # fmt: skip
         env = thread_env(cfg, "rollout")
         for i in range(cfg.rollout.num_servers):
             name = f"rollout-{i}"
             cmd = rollout_command(cfg, index=i, redis_url=url if embedded else "")
-            supervisor.start(ChildSpec(name, cmd, paths.console_file(name), env={**env, **gpus.rollout_envs[i]}))
+            spec = ChildSpec(name, cmd, paths.console_file(name), env={**env, **gpus.rollout_envs[i]}, restartable=True)
+            supervisor.start(spec)
         from tether.status import ProgressLine
 
         progress = ProgressLine(_with_redis(cfg, url))

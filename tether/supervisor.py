@@ -3,7 +3,9 @@
 Each child runs in its own session (so a terminal's Ctrl-C reaches only the supervisor, which then
 stops children in order) with ``PR_SET_PDEATHSIG`` so the kernel ends it if the supervisor dies
 abruptly. Output goes to one log file per child. Stopping is SIGTERM, a grace period, then SIGKILL to
-the child's whole process group (torchrun's ranks, vLLM's workers).
+the child's whole process group (torchrun's ranks, vLLM's workers). A child marked ``restartable`` that
+dies is started again after a back-off (doubling), up to ``max_restarts`` times; only a child that keeps
+dying — or one not restartable — ends the group, with its name, code and log tail.
 """
 
 from __future__ import annotations
@@ -31,12 +33,17 @@ class ChildSpec:
     env: dict[str, str] = field(default_factory=dict)
     # When a "primary" child exits 0 the whole group has finished its job.
     primary: bool = False
+    # Started again (this command, or ``cmd`` when None) when it dies, up to the supervisor's restart limit.
+    restart_cmd: Sequence[str] | None = None
+    restartable: bool = False
 
 
 @dataclass
 class Child:
     spec: ChildSpec
     proc: subprocess.Popen[bytes]
+    restarts: int = 0
+    restart_at: float | None = None  # when a dead child is due to start again
 
 
 _PR_SET_PDEATHSIG = 1
@@ -50,9 +57,14 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 
 
 class ChildFailed(RuntimeError):
-    def __init__(self, name: str, code: int, log_file: Path) -> None:
-        self.name, self.code, self.log_file = name, code, log_file
-        super().__init__(f"{name} exited with code {code}; see {log_file}\n{tail(log_file)}")
+    def __init__(self, name: str, code: int, log_file: Path, *, restarts: int = 0) -> None:
+        self.name, self.code, self.log_file, self.restarts = name, code, log_file, restarts
+        again = (
+            f" (after {restarts} restart{'s' * (restarts != 1)}: the restart limit, run.max_restarts)"
+            if restarts
+            else ""
+        )
+        super().__init__(f"{name} exited with code {code}{again}; see {log_file}\n{tail(log_file)}")
 
 
 def tail(path: Path, lines: int = 15) -> str:
@@ -64,16 +76,25 @@ def tail(path: Path, lines: int = 15) -> str:
 
 
 class Supervisor:
-    def __init__(self, *, grace_s: float = 20.0) -> None:
+    def __init__(self, *, grace_s: float = 20.0, max_restarts: int = 0, backoff_s: float = 2.0) -> None:
         self.children: list[Child] = []
         self.grace_s = grace_s
+        self.max_restarts = max_restarts
+        self.backoff_s = backoff_s
+        self.restarts: list[tuple[str, int]] = []  # (child, exit code) of every restart, in order
 
     def start(self, spec: ChildSpec) -> Child:
+        child = Child(spec, self._spawn(spec, spec.cmd))
+        self.children.append(child)
+        log.info("child_started", child=spec.name, pid=child.proc.pid, log=str(spec.log_file))
+        return child
+
+    def _spawn(self, spec: ChildSpec, cmd: Sequence[str]) -> subprocess.Popen[bytes]:
         spec.log_file.parent.mkdir(parents=True, exist_ok=True)
         out = spec.log_file.open("ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
         proc = subprocess.Popen(
-            list(spec.cmd),
+            list(cmd),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -82,10 +103,7 @@ class Supervisor:
             preexec_fn=die_with_parent,
         )
         out.close()
-        child = Child(spec, proc)
-        self.children.append(child)
-        log.info("child_started", child=spec.name, pid=proc.pid, log=str(spec.log_file))
-        return child
+        return proc
 
     def poll(self) -> Child | None:
         """The first child that has exited, if any."""
@@ -99,19 +117,38 @@ class Supervisor:
         next_tick = time.monotonic()
         while True:
             for child in list(self.children):
+                if child.restart_at is not None:
+                    if time.monotonic() >= child.restart_at:
+                        self._restart(child)
+                    continue
                 code = child.proc.poll()
                 if code is None:
                     continue
                 if code == 0 and child.spec.primary:
                     return 0
                 if code != 0:
-                    raise ChildFailed(child.spec.name, code, child.spec.log_file)
+                    if not (child.spec.restartable and child.restarts < self.max_restarts):
+                        raise ChildFailed(child.spec.name, code, child.spec.log_file, restarts=child.restarts)
+                    _signal_group(child.proc, signal.SIGKILL)  # what the dead leader left behind
+                    delay = min(60.0, self.backoff_s * 2**child.restarts)
+                    child.restart_at = time.monotonic() + delay
+                    log.warning("child_died_restarting", child=child.spec.name, code=code, in_s=delay,
+                                restart=child.restarts + 1, of=self.max_restarts)  # fmt: skip
+                    continue
                 self.children.remove(child)  # a non-primary child that finished its job
             if on_tick is not None and time.monotonic() >= next_tick:
                 next_tick += tick_s
                 with contextlib.suppress(Exception):
                     on_tick()
             time.sleep(0.1)
+
+    def _restart(self, child: Child) -> None:
+        code = child.proc.returncode
+        child.restarts += 1
+        child.restart_at = None
+        child.proc = self._spawn(child.spec, child.spec.restart_cmd or child.spec.cmd)
+        self.restarts.append((child.spec.name, code if code is not None else -1))
+        log.warning("child_restarted", child=child.spec.name, pid=child.proc.pid, restart=child.restarts)
 
     def stop_all(self) -> None:
         """SIGTERM every child (reverse start order), wait the grace period, SIGKILL what remains."""

@@ -76,3 +76,35 @@ def test_stubborn_child_is_killed_after_grace(tmp_path: Path) -> None:
         time.sleep(0.05)
     sup.stop_all()
     assert wait_gone(child.proc.pid)
+
+
+def test_a_dying_child_is_restarted_until_the_limit(tmp_path: Path) -> None:
+    """Dies twice (a counter file says which life it is), then stays up: two restarts, the run goes on; the
+    primary's restart command (the learner's ``--resume``) is used for it."""
+    counter = tmp_path / "lives"
+    flaky = [sys.executable, "-c", f"import pathlib, sys, time; p = pathlib.Path({str(counter)!r}); "
+             "n = int(p.read_text() or 0) if p.exists() else 0; p.write_text(str(n + 1)); "
+             "sys.exit(9) if n < 2 else time.sleep(600)"]  # fmt: skip
+    sup = Supervisor(grace_s=5, max_restarts=3, backoff_s=0.05)
+    server = sup.start(ChildSpec("server", flaky, tmp_path / "server.log", restartable=True))
+    marker = tmp_path / "resumed"
+    main = [sys.executable, "-c", "import sys; sys.exit(5)"]
+    resumed = [sys.executable, "-c", f"import pathlib, time; time.sleep(1.5); pathlib.Path({str(marker)!r}).touch()"]
+    sup.start(ChildSpec("main", main, tmp_path / "main.log", primary=True, restartable=True, restart_cmd=resumed))
+    assert sup.wait() == 0  # the primary came back through its restart command and finished
+    assert marker.exists()
+    assert counter.read_text() == "3" and server.restarts == 2 and alive(server.proc.pid)
+    assert sorted(name for name, _ in sup.restarts) == ["main", "server", "server"]
+    sup.stop_all()
+    assert wait_gone(server.proc.pid)
+
+
+def test_a_child_that_keeps_dying_ends_the_run_with_the_reason(tmp_path: Path) -> None:
+    sup = Supervisor(grace_s=5, max_restarts=2, backoff_s=0.05)
+    sup.start(ChildSpec("bad", [sys.executable, "-c", "import sys; sys.exit(7)"], tmp_path / "bad.log",
+                        restartable=True))  # fmt: skip
+    with pytest.raises(ChildFailed) as info:
+        sup.wait()
+    assert info.value.name == "bad" and info.value.code == 7 and info.value.restarts == 2
+    assert "run.max_restarts" in str(info.value)
+    sup.stop_all()

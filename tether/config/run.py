@@ -31,6 +31,14 @@ class RunConfig(Section):
     tensorboard: bool = True
     """Also write metrics as TensorBoard event files (``{run}/tensorboard``); JSONL is always written."""
 
+    max_restarts: int = Field(default=3, ge=0)
+    """``tether up``: how often a child that dies is started again before the run gives up — a rollout server
+    as it was (it rejoins at the current version), the learner with ``--resume`` (from its last checkpoint).
+    0: any child's death ends the run."""
+
+    restart_backoff_s: float = Field(default=2.0, gt=0)
+    """``tether up``: wait before the first restart of a child; doubled for each further one (at most 60 s)."""
+
     @field_validator("run_id")
     @classmethod
     def _safe_run_id(cls, v: str | None) -> str | None:

@@ -1,0 +1,77 @@
+"""``tether up`` survives its own children: a SIGKILLed rollout server is started again and rejoins, a
+SIGKILLed learner comes back from its last checkpoint; the run finishes with its books balanced."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_up import REPO, write_config
+from tether.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+STEPS = 14
+
+
+def _pids(needle: str, *, without: str = "") -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if needle in cmd and (not without or without not in cmd) and int(entry.name) != os.getpid():
+            out.append(int(entry.name))
+    return out
+
+
+def _wait_step(run_dir: Path, step: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        path = run_dir / "metrics.jsonl"
+        rows = [r for r in read_metrics(path) if "reward/mean" in r] if path.exists() else []
+        if rows and rows[-1]["step"] >= step:
+            return
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.3)
+    pytest.fail(f"step {step} not reached")
+
+
+def test_killed_children_are_restarted_and_the_run_finishes(tmp_path: Path, tiny_model_dir: Path) -> None:
+    cfg = write_config(tmp_path, tiny_model_dir, run_id="restart", steps=STEPS)
+    run_dir = tmp_path / "runs" / "restart"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tether", "up", "--config", str(cfg), "--learner.checkpoint_every", "2",
+         "--run.restart_backoff_s", "0.5"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        _wait_step(run_dir, 3, proc)
+        (server,) = _pids(f"{run_dir}/config.yaml --rollout.server_id rollout-0")
+        os.kill(server, signal.SIGKILL)
+        _wait_step(run_dir, 7, proc)
+        (rank,) = _pids(f"-m learner --config {run_dir}/config.yaml", without="torch.distributed.run")
+        os.kill(rank, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    rollout_log = (run_dir / "logs" / "rollout-0.out").read_text()
+    assert rollout_log.count("rollout_server_ready") == 2  # started again, and served
+    learner_log = (run_dir / "logs" / "learner-rank0.log").read_text()
+    assert '"resume_version"' in learner_log  # the second learner came back from its checkpoint
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
+    assert rows[-1]["step"] == STEPS
+    books = json.loads((run_dir / "buffer_stats.json").read_text())["books"]["run"]
+    assert books["balanced"], books
+    assert books["acknowledged"] >= STEPS * 4  # steps after the last checkpoint were trained again
