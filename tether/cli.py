@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tether", description="Asynchronous actor-learner RL post-training for language models."
     )
+    from tether import __version__
+
+    parser.add_argument("--version", action="version", version=f"tether {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     up = sub.add_parser("up", help="run the whole loop on this machine (embedded Redis, learner, rollout servers)")
