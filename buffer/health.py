@@ -10,10 +10,14 @@ failed check is the caller's "Redis unreachable".
 
 It warns only when *nothing* was trained in the window, so a healthy run with a few stale drops stays
 quiet, and repeats a warning at most every ``repeat_s``.
+
+The run's end is published here too (``run_end``): a learner that reached its last step says so, and
+rollout servers started by hand idle or exit instead of waiting for prompts that never come.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -125,3 +129,24 @@ def _setting_for(cfg: TetherConfig, reason: str) -> str:
     if "delivered" in reason:
         return f"{said}; prompts are taken but never answered — rollout servers crash on them, see their logs"
     return f"{said}; see `tether status` and the dead-letter stream {RedisKeys(cfg.run.run_id or '').dead_letter}"
+
+
+def publish_run_end(client: redis.Redis, keys: RedisKeys, *, step: int, version: int) -> None:
+    """The learner reached its last step: rollout servers of this run may stop (``exit_when_run_ends``)."""
+    client.set(keys.run_end, json.dumps({"step": step, "version": version, "time": time.time()}))
+
+
+def clear_run_end(client: redis.Redis, keys: RedisKeys) -> None:
+    """A learner (re)starting the run: it is not over, whatever an earlier lifetime published."""
+    client.delete(keys.run_end)
+
+
+def run_ended(client: redis.Redis, keys: RedisKeys) -> dict | None:
+    """What :func:`publish_run_end` wrote, or None while the run goes on."""
+    raw = client.get(keys.run_end)
+    if raw is None:
+        return None
+    try:
+        return dict(json.loads(raw))
+    except (ValueError, TypeError):
+        return {}

@@ -77,6 +77,11 @@ class RedisKeys:
         return self.prefix + "seen:" + group_id
 
     @property
+    def run_end(self) -> str:
+        """Set by the learner when the run has finished (JSON: step, version); rollout servers idle or exit."""
+        return self.prefix + "run_end"
+
+    @property
     def learner(self) -> str:
         """Hash the learner publishes for dashboards: ``step``, ``reward_mean``, ``tokens_per_s``, ..."""
         return self.prefix + "learner"

@@ -88,7 +88,7 @@ async def serve(cfg: TetherConfig, *, port: int, server_id: str, stop: asyncio.E
     tasks = [asyncio.create_task(episodes.sweep_forever(), name="episode-sweeper")]
     worker_task = None
     if state.sink is not None:
-        tasks.append(asyncio.create_task(_heartbeat_forever(state, control), name="heartbeat"))
+        tasks.append(asyncio.create_task(_heartbeat_forever(state, control, stop), name="heartbeat"))
         if rc.prompt_workers > 0:
             from rollout_server.worker import PromptWorker
 
@@ -161,7 +161,21 @@ async def _catch_up(control) -> None:  # type: ignore[no-untyped-def]
         log.warning("catch_up_failed", error=str(e))
 
 
-async def _heartbeat_forever(state, control) -> None:  # type: ignore[no-untyped-def]
+async def _check_run_end(state, stop: asyncio.Event, said: bool) -> bool:  # type: ignore[no-untyped-def]
+    """The learner published the run's end: exit (``rollout.exit_when_run_ends``) or say once that we idle."""
+    ended = await state.sink.run_ended()
+    if ended is None:
+        return False
+    if state.cfg.rollout.exit_when_run_ends:
+        log.info("run_ended_exiting", **ended)
+        stop.set()
+    elif not said:
+        log.info("run_ended_idling", **ended, hint="the learner finished; pass --exit-when-run-ends to exit instead")
+    return True
+
+
+async def _heartbeat_forever(state, control, stop: asyncio.Event) -> None:  # type: ignore[no-untyped-def]
+    said_ended = False
     while True:
         try:
             await state.sink.heartbeat(
@@ -177,6 +191,7 @@ async def _heartbeat_forever(state, control) -> None:  # type: ignore[no-untyped
             # version is ahead of ours, load the newest snapshot (catch_up is a no-op without one).
             if await state.sink.published_version() > state.engine.policy_version:
                 await _catch_up(control)
+            said_ended = await _check_run_end(state, stop, said_ended)
         except Exception as e:
             log.warning("heartbeat_failed", error=str(e))
         await asyncio.sleep(state.cfg.rollout.heartbeat_s)

@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     rollout = sub.add_parser("rollout", help="start one rollout server (gRPC + prompt worker)")
     _add_config(rollout)
+    rollout.add_argument(
+        "--exit-when-run-ends",
+        action="store_true",
+        help="exit once the learner has finished the run (same as --rollout.exit_when_run_ends true)",
+    )
 
     status = sub.add_parser("status", help="show versions, buffer, servers and throughput of a run")
     _add_config(status)
@@ -109,6 +114,7 @@ def cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
     _require_run_id(cfg)
     from tether.launcher import learner_command
 
+    _split_threads(cfg)
     cmd = learner_command(
         cfg,
         config_path=args.config,
@@ -122,11 +128,24 @@ def cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_rollout(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.exit_when_run_ends:
+        overrides = [*overrides, "--rollout.exit_when_run_ends", "true"]
     cfg = _load(args, overrides)
     _require_run_id(cfg)
+    _split_threads(cfg)  # before torch is imported: it reads OMP_NUM_THREADS once
     from rollout_server.main import run
 
     return run(cfg)
+
+
+def _split_threads(cfg: TetherConfig) -> None:
+    """A learner or rollout server started by hand gets the thread count ``tether up`` would give it: this
+    machine's cores split over the config's local processes (``learner.nproc_per_node`` +
+    ``rollout.num_servers``). Without it each process uses every core and they fight (1-2 s per demo step
+    instead of ~0.1 s). ``OMP_NUM_THREADS`` set by the user wins."""
+    from tether.launcher import thread_env
+
+    os.environ.update(thread_env(cfg.learner.nproc_per_node + cfg.rollout.num_servers))
 
 
 def cmd_status(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -174,6 +174,10 @@ class RolloutConfig(Section):
     """Times a group's scoring is attempted (each with the reward's own retries) before the group is
     dead-lettered and its prompt acknowledged."""
 
+    exit_when_run_ends: bool = False
+    """Exit (code 0, after a drain) once the learner has published that the run finished; off: stay up
+    and idle (right for servers a Deployment would restart). ``tether rollout --exit-when-run-ends``."""
+
     @model_validator(mode="after")
     def _tls_pair(self) -> RolloutConfig:
         if bool(self.tls_cert) != bool(self.tls_key):
