@@ -77,6 +77,8 @@ def _loss(rows: Rows, _cfg) -> Panel:  # type: ignore[no-untyped-def]
         p.add(LABELS["loss/total"], *total)
     p.add(LABELS["loss/pg"], *pg)
     p.add(LABELS["loss/kl"], *_series(rows, "loss/kl"))
+    if len(p.lines) == 1:  # one curve: its name is the axis' name
+        p.ylabel = p.lines[0][0].replace(" loss", "\nloss")
     return p
 
 

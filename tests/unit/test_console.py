@@ -114,7 +114,7 @@ def test_plot_panels_titles_and_no_duplicate_loss(tmp_path: Path) -> None:
     _write_steps(metrics, range(1, 30))
     panels = panels_for(read_metrics(metrics), cfg)
     labels = {p.ylabel.split("\n")[0]: [line[0] for line in p.lines] for p in panels}
-    assert labels["loss"] == ["policy-gradient loss"]  # loss/total == loss/pg: one curve, not two panels
+    assert labels["policy-gradient"] == ["policy-gradient loss"]  # loss/total == loss/pg: one curve, not two panels
     assert labels["reward"] == ["per step", "smoothed"]
     assert {"staleness", "samples/s", "entropy"} <= set(labels)
     assert "validation" not in labels
