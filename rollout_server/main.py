@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import signal
 import socket
+import sys
 
 from tether.config import TetherConfig
 from tether.logs import get_logger, setup_logging
@@ -100,6 +101,7 @@ async def serve(cfg: TetherConfig, *, port: int, server_id: str, stop: asyncio.E
         server_id=server_id,
         prompt_workers=rc.prompt_workers if state.sink else 0,
         tls=bool(rc.tls_cert),
+        threads=_torch_threads(),
     )
 
     await stop.wait()
@@ -131,6 +133,12 @@ async def _drain(state, health, worker_task, set_serving) -> None:  # type: igno
     if pending:
         log.warning("drain_timeout", inflight=state.inflight, timeout_s=timeout)
     await asyncio.gather(*waits, return_exceptions=True)
+
+
+def _torch_threads() -> int | None:
+    """The engine's CPU thread count (``OMP_NUM_THREADS`` as torch took it): one process per core share."""
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else None
 
 
 def _connect_sink(cfg: TetherConfig, server_id: str):  # type: ignore[no-untyped-def]
