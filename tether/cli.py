@@ -112,8 +112,10 @@ def cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load(args, overrides)
     _require_run_id(cfg)
-    from tether.launcher import learner_command
+    from tether.launcher import check_redis, learner_command
 
+    if args.node_rank == 0:  # rank 0 is the one that talks to Redis
+        check_redis(cfg)
     _split_threads(cfg)
     cmd = learner_command(
         cfg,
@@ -133,6 +135,12 @@ def cmd_rollout(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load(args, overrides)
     _require_run_id(cfg)
     _split_threads(cfg)  # before torch is imported: it reads OMP_NUM_THREADS once
+    from tether.launcher import check_redis
+
+    try:  # a server may start before Redis does: say so, then keep retrying as it always does
+        check_redis(cfg)
+    except ConfigError as e:
+        print(f"tether: warning: {e} (the server starts anyway and retries)", file=sys.stderr)
     from rollout_server.main import run
 
     return run(cfg)

@@ -89,6 +89,19 @@ def check_model_path(cfg: TetherConfig) -> None:
         )
 
 
+def check_redis(cfg: TetherConfig) -> None:
+    """Fail in seconds, before any process starts, when a given ``buffer.redis_url`` does not answer (an
+    empty one is the embedded Redis, started here)."""
+    if not cfg.buffer.redis_url:
+        return
+    from tether.redis_server import RedisUnavailable, connect_redis
+
+    try:
+        connect_redis(cfg.buffer.redis_url, timeout_s=3.0).close()
+    except RedisUnavailable as e:
+        raise ConfigError(str(e)) from None
+
+
 def save_buffer_stats(cfg: TetherConfig, paths: RunPaths) -> None:
     """Write the buffer's final books to ``{run}/buffer_stats.json`` (best effort, never fails the run)."""
     try:
@@ -115,6 +128,7 @@ def thread_env(num_processes: int) -> dict[str, str]:
 
 def up(cfg: TetherConfig, *, resume: bool = False) -> int:
     check_model_path(cfg)
+    check_redis(cfg)
     if cfg.run.run_id is None:
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_id": new_run_id()})})
     paths: RunPaths = run_paths(cfg).make()
