@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import redis
@@ -46,7 +45,10 @@ class RunWatch:
         self.cfg = cfg
         self.keys = RedisKeys(cfg.run.run_id or "")
         self.no_server_after_s, self.window_s, self.repeat_s = no_server_after_s, window_s, repeat_s
-        self._history: deque[_Counts] = deque()
+        self._prev: _Counts | None = None
+        self._base: _Counts | None = None  # the counts just before training last moved
+        self._trained_at = 0.0
+        self._step_s = 0.0  # time between the last two moves of training: slow steps widen the window
         self._last_server_seen: float | None = None
         self._warned: dict[str, float] = {}
 
@@ -64,17 +66,22 @@ class RunWatch:
             self._last_server_seen = now
         elif now - self._last_server_seen >= self.no_server_after_s:
             out += self._once("servers", now, self._no_server(now - self._last_server_seen))
-        self._history.append(cur)
-        while len(self._history) > 1 and now - self._history[1].time >= self.window_s:
-            self._history.popleft()
-        old = self._history[0]
-        if now - old.time < self.window_s or cur.trained > old.trained:
+
+        if self._prev is None or self._base is None:
+            self._base, self._trained_at = cur, now
+        elif cur.trained != self._prev.trained:
+            # Groups wasted in the same tick as the last trained step count as after it: a learner that
+            # trained, then found only stale groups, is stuck even though it trained a second ago.
+            self._step_s, self._trained_at, self._base = now - self._trained_at, now, self._prev
+        self._prev = cur
+        quiet = now - self._trained_at
+        if quiet < max(self.window_s, 3 * self._step_s):
             return out
-        if cur.dead > old.dead:
+        if cur.dead > self._base.dead:
             reason = _last_reason(client, self.keys)
-            out += self._once("dead", now, self._dead(cur.dead - old.dead, now - old.time, reason))
-        if cur.stale > old.stale:
-            out += self._once("stale", now, self._stale(cur.stale - old.stale, now - old.time))
+            out += self._once("dead", now, self._dead(cur.dead - self._base.dead, quiet, reason))
+        if cur.stale > self._base.stale:
+            out += self._once("stale", now, self._stale(cur.stale - self._base.stale, quiet))
         return out
 
     def _once(self, kind: str, now: float, message: str) -> list[str]:
@@ -93,14 +100,14 @@ class RunWatch:
         )
 
     def _dead(self, n: int, span_s: float, reason: str) -> str:
-        return f"{n} groups dead-lettered in the last {span_s:.0f}s and none trained — {_setting_for(self.cfg, reason)}"
+        return f"{n} groups dead-lettered and none trained in the last {span_s:.0f}s — {_setting_for(self.cfg, reason)}"
 
     def _stale(self, n: int, span_s: float) -> str:
         return (
-            f"{n} groups dropped as stale in the last {span_s:.0f}s and none trained: the rollout servers generate "
-            f"with weights more than algorithm.max_staleness ({self.cfg.algorithm.max_staleness}) versions behind — "
-            "check that weight updates reach them (weight_sync.transport, the servers' logs), or raise "
-            "algorithm.max_staleness"
+            f"{n} groups dropped as stale and none trained in the last {span_s:.0f}s: they were generated "
+            f"with weights more than algorithm.max_staleness ({self.cfg.algorithm.max_staleness}) versions behind "
+            "the learner — check that weight updates reach the rollout servers (weight_sync.transport, their logs), "
+            "that episodes are not held open across updates, or raise algorithm.max_staleness"
         )
 
 

@@ -48,7 +48,7 @@ def test_groups_dead_lettered_by_an_unreachable_reward_service_name_its_address(
         redis_client.hincrby(keys.counters, "rollout_dead_letter", 1)
     assert watch.check(redis_client, now=5) == []  # a window has not passed yet
     [message] = watch.check(redis_client, now=11)
-    assert "3 groups dead-lettered" in message and "none trained" in message
+    assert "3 groups dead-lettered and none trained" in message
     assert "127.0.0.1:9" in message and "rollout.reward.address" in message
 
 
@@ -73,6 +73,35 @@ def test_all_groups_dropped_as_stale_names_max_staleness_and_weight_sync(redis_c
     [message] = watch.check(redis_client, now=12)
     assert "12 groups dropped as stale" in message
     assert "algorithm.max_staleness (2)" in message and "weight_sync" in message
+
+
+def test_a_learner_stuck_after_its_last_groups_were_stale_is_explained(redis_client: redis.Redis) -> None:
+    """Episodes written long before the learner got to them: it trains a step, finds the rest stale in the same
+    second, and then waits for groups nobody makes. The drops are all in the past; the warning must come."""
+    keys = RedisKeys(RUN)
+    _register(redis_client)
+    watch = RunWatch(_cfg(), window_s=10)
+    for t in range(3):  # training, a step a second
+        redis_client.hincrby(keys.counters, "acknowledged", 2)
+        assert watch.check(redis_client, now=t) == []
+    redis_client.hincrby(keys.counters, "acknowledged", 2)
+    redis_client.hincrby(keys.counters, "dropped_stale", 4)
+    assert watch.check(redis_client, now=3) == []
+    assert watch.check(redis_client, now=8) == []
+    [message] = watch.check(redis_client, now=14)
+    assert "4 groups dropped as stale and none trained" in message
+
+
+def test_slow_steps_widen_the_window(redis_client: redis.Redis) -> None:
+    keys = RedisKeys(RUN)
+    _register(redis_client)
+    watch = RunWatch(_cfg(), window_s=10)
+    for t in (0, 30, 60):  # a big model: a step every 30 s
+        redis_client.hincrby(keys.counters, "acknowledged", 2)
+        watch.check(redis_client, now=t)
+    redis_client.hincrby(keys.counters, "dropped_stale", 1)
+    assert watch.check(redis_client, now=85) == []  # 25 s without a step is normal here
+    assert watch.check(redis_client, now=151) != []  # 91 s (> 3 steps) is not
 
 
 def test_run_end_is_published_and_cleared(redis_client: redis.Redis) -> None:

@@ -147,6 +147,7 @@ def _start_up(cfg: Path) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,  # its own process group, as a shell gives a foreground job
     )
 
 
@@ -182,12 +183,16 @@ def test_a_signal_stops_everything_and_keeps_books_plot_and_checkpoint(
     _wait_for_step(proc, run_dir, step=2)
     children = processes_mentioning(str(run_dir))
     assert len(children) >= 4  # learner (torchrun + rank), two rollout servers, redis
-    proc.send_signal(sig)
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)  # Ctrl-C in a terminal: the whole foreground process group gets it
+    else:
+        proc.send_signal(sig)  # kill, systemd, container runtimes: the main process
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-2000:]
     assert "interrupted" in out
     assert all(wait_gone(pid, timeout_s=30) for pid in children), processes_mentioning(str(run_dir))
     _assert_ended_whole(run_dir, out, "interrupted")
+    assert "buffer_stats_not_saved" not in out
     assert list((run_dir / "checkpoints").glob("step_*")), "no final checkpoint"
 
 
