@@ -228,7 +228,7 @@ def summary_lines(cfg: TetherConfig, paths: RunPaths, *, outcome: str, started: 
             f"reward {rewards[0]:.3f} → {rewards[-1]:.3f} (step {steps}; best {max(rewards):.3f}, "
             f"mean of the last {len(tail)} {sum(tail) / len(tail):.3f})"
         )
-        samples = sum(r.get("data/groups") or 0 for r in rows) * cfg.rollout.n
+        samples = sum(_samples(r, cfg.rollout.n) for r in rows)
         span = last["time"] - first["time"] + (first.get("timing/step") or 0.0)
         rate = f"{samples / span:.1f} samples/s" if span > 0 else "- samples/s"
         stale = [r["staleness/mean"] for r in rows if r.get("staleness/mean") is not None]
@@ -244,6 +244,13 @@ def summary_lines(cfg: TetherConfig, paths: RunPaths, *, outcome: str, started: 
             lines.append(f"  {label:<8} {path}")
     lines.append(f"  {'logs':<8} {paths.logs}/")
     return lines
+
+
+def _samples(row: dict[str, Any], n: int) -> float:
+    """Trained samples of a step: the learner's count (episodes' groups vary in size), else groups × n."""
+    if row.get("learner/samples") is not None:
+        return row["learner/samples"]
+    return (row.get("data/groups") or 0) * n
 
 
 def _rows_since(path: Path, started: float) -> list[dict[str, Any]]:

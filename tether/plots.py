@@ -98,7 +98,7 @@ def _staleness(rows: Rows, cfg) -> Panel:  # type: ignore[no-untyped-def]
 def _throughput(rows: Rows, cfg) -> Panel:  # type: ignore[no-untyped-def]
     n = cfg.rollout.n if cfg is not None else 1
     p = Panel("samples/s\n(trained)" if cfg is not None else "groups/s\n(trained)")
-    points = [(r["step"], r["data/groups"] * n / r["timing/step"]) for r in rows
+    points = [(r["step"], (r.get("learner/samples") or r["data/groups"] * n) / r["timing/step"]) for r in rows
               if r.get("data/groups") is not None and r.get("timing/step")]  # fmt: skip
     steps, values = [q[0] for q in points], [q[1] for q in points]
     p.add("per step", steps, values, color="tab:green", alpha=0.3, linewidth=1)
