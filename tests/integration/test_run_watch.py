@@ -6,11 +6,16 @@ clock is passed in, so no test waits or measures time.
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import redis
 
 from buffer import RedisKeys, ServerInfo, ServerRegistry
 from buffer.health import RunWatch, clear_run_end, publish_run_end, run_ended
+from learner.feed import DataTimeout, Feed
 from tether.config import TetherConfig
+from tether.redis_server import connect_redis
 
 RUN = "watch"
 
@@ -111,3 +116,19 @@ def test_run_end_is_published_and_cleared(redis_client: redis.Redis) -> None:
     assert run_ended(redis_client, keys)["step"] == 60
     clear_run_end(redis_client, keys)
     assert run_ended(redis_client, keys) is None
+
+
+def test_a_learner_started_by_hand_says_why_it_waits(redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """No ``tether up`` console: the learner's feed logs the watch's words while no group comes."""
+    cfg = TetherConfig.model_validate(
+        {"run": {"run_id": RUN}, "buffer": {"redis_url": redis_url},
+         "learner": {"data_path": "demo:charclass", "train_batch_size": 2, "read_timeout_s": 3}}
+    )  # fmt: skip
+    client = connect_redis(redis_url)
+    feed = Feed(cfg, client, data_position=0)
+    feed.watch = RunWatch(cfg, no_server_after_s=0)  # the real default waits 45 s for servers to load
+    with caplog.at_level(logging.WARNING), pytest.raises(DataTimeout):
+        feed.next_batch(0)
+    client.close()
+    said = [r.getMessage() for r in caplog.records if "not_training" in r.getMessage()]
+    assert said and "no rollout server registered" in said[0]

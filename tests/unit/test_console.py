@@ -135,3 +135,26 @@ def test_plot_panels_titles_and_no_duplicate_loss(tmp_path: Path) -> None:
 def test_version_flag() -> None:
     out = subprocess.run([sys.executable, "-m", "tether", "--version"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("tether 0.")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_one_live_line_and_warnings_above_it(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    out = _Terminal()
+    progress = ProgressLine(cfg, out=out, metrics_path=run_paths(cfg).make().metrics)
+    progress.update()
+    progress.update()
+    progress.update()  # the third failed read in a row: the Redis warning
+    progress.update()
+    progress.finish()
+    text = out.getvalue()
+    assert text.count("\rredis: unreachable") == 4  # the live line, rewritten in place
+    warning = next(line for line in text.split("\n") if "tether: warning:" in line)
+    cleared, shown = warning.rsplit("\r", 1)
+    assert cleared.endswith("\r" + " " * len("redis: unreachable"))  # the live line was blanked first
+    assert shown.startswith("tether: warning: Redis at")
+    assert text.endswith("\n")  # the shell prompt starts on a line of its own
