@@ -6,7 +6,10 @@ starts the embedded Redis when ``buffer.redis_url`` is empty, then the learner u
 they print goes to ``<name>.out``). It returns when the learner finishes. Ctrl-C, SIGTERM or a crashed
 child stop everything the same way (no orphan processes): the children get SIGTERM, so the learner
 finishes its step and checkpoints; then the books and the plot are written and the embedded Redis saves
-its data in the run folder, so ``tether up --resume`` continues where the run stopped.
+its data in the run folder, so ``tether up --resume`` continues where the run stopped. The console
+(:mod:`tether.console`) reports on a terminal or a pipe alike, says in one line what keeps a run from
+training (:class:`buffer.health.RunWatch`, plus a check of a remote reward service before the start),
+and every ending closes with a summary.
 """
 
 from __future__ import annotations
