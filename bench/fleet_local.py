@@ -10,6 +10,7 @@ rate is trained samples over the learner's own step clock, so process start-up i
 
     python bench/fleet_local.py              # 3 repeats of 40 steps each way
     python bench/fleet_local.py --quick      # 3 repeats of 15 steps
+    python bench/fleet_local.py --all-cores  # also separate processes each on every core (the old way)
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ def write_config(args: argparse.Namespace, *, run_id: str, model: Path, out: Pat
     return path
 
 
-def _env() -> dict[str, str]:
+def _env(all_cores: bool = False) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("OMP_NUM_THREADS", None)  # measure what a person gets without setting it
+    if all_cores:  # what separate processes did before they split the cores: each took all of them
+        env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
     return env
 
 
@@ -60,17 +63,18 @@ def run_up(config: Path) -> None:
         raise SystemExit(f"tether up failed:\n{result.stdout[-3000:]}")
 
 
-def run_separate(config: Path, *, run_id: str, out: Path) -> None:
+def run_separate(config: Path, *, run_id: str, out: Path, all_cores: bool = False) -> None:
     """Redis, the learner and one rollout server as three processes, as docs/FLEETS.md starts them."""
     with EmbeddedRedis(out / f"{run_id}-redis") as url:
         common = ["--config", str(config), "--run.run_id", run_id, "--buffer.redis_url", url]
         logs = out / f"{run_id}-logs"
         logs.mkdir(exist_ok=True)
         with (logs / "rollout.out").open("wb") as r_out, (logs / "learner.out").open("wb") as l_out:
+            env = _env(all_cores)
             server = subprocess.Popen([sys.executable, "-m", "tether", "rollout", *common, "--exit-when-run-ends"],
-                                      cwd=REPO, env=_env(), stdout=r_out, stderr=subprocess.STDOUT)  # fmt: skip
+                                      cwd=REPO, env=env, stdout=r_out, stderr=subprocess.STDOUT)  # fmt: skip
             try:
-                code = subprocess.run([sys.executable, "-m", "tether", "learner", *common], cwd=REPO, env=_env(),
+                code = subprocess.run([sys.executable, "-m", "tether", "learner", *common], cwd=REPO, env=env,
                                       stdout=l_out, stderr=subprocess.STDOUT).returncode  # fmt: skip
                 server.wait(timeout=120)  # it exits by itself once the learner has published the run's end
             finally:
@@ -96,6 +100,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--skip", type=int, default=3, help="steps excluded from timing (start-up)")
     parser.add_argument("--repeats", type=int, default=3, help="runs each way (at least 3), alternating")
+    parser.add_argument("--all-cores", action="store_true", help="also time separate processes on every core each")
     parser.add_argument("--out", type=Path, help="keep the run folders here (default: a temporary folder)")
     args = parser.parse_args()
     if args.quick:
@@ -110,22 +115,26 @@ def main() -> None:
             from tether.tiny_model import make_tiny_model
 
             make_tiny_model(model, hidden=64, layers=2, heads=2)
-        rates: dict[str, list[float]] = {"up": [], "separate": []}
+        modes = ("up", "separate", "all-cores") if args.all_cores else ("up", "separate")
+        rates: dict[str, list[float]] = {mode: [] for mode in modes}
         for i in range(args.repeats):
-            order = ("up", "separate") if i % 2 == 0 else ("separate", "up")
-            for mode in order:
+            for mode in modes if i % 2 == 0 else modes[::-1]:
                 run_id = f"fleet-{mode}-{i}"
                 config = write_config(args, run_id=run_id, model=model, out=out)
                 print(f"repeat {i + 1}/{args.repeats}: {mode} ...", flush=True)
                 if mode == "up":
                     run_up(config)
                 else:
-                    run_separate(config, run_id=run_id, out=out)
+                    run_separate(config, run_id=run_id, out=out, all_cores=mode == "all-cores")
                 rates[mode].append(samples_per_s(out / run_id / "metrics.jsonl", args.skip))
                 print(f"  {mode}: {rates[mode][-1]:.1f} samples/s", flush=True)
         up, sep = statistics.median(rates["up"]), statistics.median(rates["separate"])
         print(f"tether up:           {' '.join(f'{r:.1f}' for r in rates['up'])} samples/s (median {up:.1f})")
         print(f"separate processes:  {' '.join(f'{r:.1f}' for r in rates['separate'])} samples/s (median {sep:.1f})")
+        if args.all_cores:
+            old = statistics.median(rates["all-cores"])
+            print(f"all cores each:      {' '.join(f'{r:.1f}' for r in rates['all-cores'])} samples/s "
+                  f"(median {old:.1f}; all-cores/up {old / up:.2f}x)")  # fmt: skip
         print(f"separate/up samples/s ratio: {sep / up:.2f}x")
 
 
