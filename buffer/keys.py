@@ -90,6 +90,10 @@ class RedisKeys:
         """Stream of scored evaluation samples, one entry per prompt; read and deleted by learner rank 0."""
         return self.prefix + "val_results"
 
+    def run_end(self) -> str:
+        """Set by the learner when the run has finished (JSON: step, version); rollout servers idle or exit."""
+        return self.prefix + "run_end"
+
     @property
     def learner(self) -> str:
         """Hash the learner publishes for dashboards: ``step``, ``reward_mean``, ``tokens_per_s``, ..."""

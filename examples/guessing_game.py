@@ -1,6 +1,12 @@
 """An example custom environment, its own process: a number-guessing game played over gRPC episodes.
 
-    python examples/guessing_game.py --server 127.0.0.1:50051 --tasks 8 --group-size 4
+It needs a rollout server to play against, with a learner to train on what it writes (README, "Examples"):
+
+    tether up --config configs/examples/guessing-game.yaml            # terminal 1: serves on 127.0.0.1:50051
+    python examples/guessing_game.py --server 127.0.0.1:50051 --tasks 8 --group-size 4   # terminal 2
+
+It waits up to ``--wait-s`` for the server (its engine loads before it listens), then says which address
+did not answer and exits 2.
 
 For each task the environment picks a secret number and opens ``--group-size`` episodes that share a
 group id (one GRPO group). Each turn the rollout server generates the model's guess; the environment
@@ -97,12 +103,18 @@ def main() -> int:
     parser.add_argument("--max-turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens per model turn")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--wait-s", type=float, default=60.0, help="how long to wait for the server to answer")
     args = parser.parse_args()
 
     rng = random.Random(args.seed)
     outcomes: list[Outcome] = []
     with RolloutClient(args.server, token=args.token or None) as client:
-        client.wait_ready(timeout_s=120)
+        try:
+            client.wait_ready(timeout_s=args.wait_s)
+        except TimeoutError as e:
+            print(f"guessing_game: {e}; tether up --config configs/examples/guessing-game.yaml serves on "
+                  "127.0.0.1:50051 (--wait-s to wait longer)", file=sys.stderr)  # fmt: skip
+            return 2
         with ThreadPoolExecutor(max_workers=args.group_size) as pool:  # a group's episodes run concurrently
             for task in range(args.tasks):
                 secret, group_id = rng.randint(LOW, HIGH), f"guess-{uuid.uuid4().hex}"

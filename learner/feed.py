@@ -15,6 +15,7 @@ from collections.abc import Callable
 import redis
 
 from buffer import BufferedGroup, PromptQueue, RedisKeys, TrajectoryReader
+from buffer.health import RunWatch
 from buffer.ledger import LedgerSnapshot, begin_lifetime, restore
 from learner.data import PromptSource
 from tether.config import TetherConfig
@@ -52,6 +53,7 @@ class Feed:
             self.queue.reissue(self.source.prompts_at(reissue), version=version)
         recovered = self.reader.recover()
         self.prompts_per_version = cfg.learner.train_batch_size * cfg.weight_sync.sync_every
+        self.client, self.watch, self._watched_at = client, RunWatch(cfg), 0.0
         self.redis_errors = 0  # Redis calls that failed even after the client's retries (logged each time)
         log.info(
             "feed_started", dataset_position=start, recovered_groups=recovered, reissued_prompts=len(reissue),
@@ -110,12 +112,27 @@ class Feed:
             if new:
                 got.extend(new)
                 last_progress = time.monotonic()
-            elif timeout and time.monotonic() - last_progress > timeout:
+                continue
+            self._explain_wait()
+            if timeout and time.monotonic() - last_progress > timeout:
                 raise DataTimeout(
                     f"no trajectory group for {timeout:.0f}s (learner.read_timeout_s) — are rollout servers running "
                     f"for run {self.cfg.run.run_id!r}?"
                 )
         return got
+
+    def _explain_wait(self) -> None:
+        """While no group comes, say why (no server, all dead-lettered, all stale) — a learner started by
+        hand has no ``tether up`` console to do it. A check every 2 s; RunWatch rate-limits the words."""
+        now = time.monotonic()
+        if now - self._watched_at < 2.0:
+            return
+        self._watched_at = now
+        try:
+            for message in self.watch.check(self.client):
+                log.warning("not_training", cause=message)
+        except redis.RedisError:
+            pass  # the read above reports Redis outages
 
     def ack(self, batch: list[BufferedGroup]) -> None:
         """Acknowledge after the optimizer step; over a Redis outage, keep trying for read_timeout_s

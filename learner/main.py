@@ -21,6 +21,7 @@ import torch.distributed as dist
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from buffer.health import clear_run_end, publish_run_end
 from buffer.keys import RedisKeys
 from buffer.ledger import write_books
 from learner.batch import broadcast_groups
@@ -33,6 +34,7 @@ from learner.trainer import Trainer
 from tether.config import TetherConfig
 from tether.logs import get_logger, setup_logging
 from tether.metrics import MetricsLogger, build_metrics
+from tether.plots import write_plot
 from tether.runs import run_paths
 
 log = get_logger(__name__)
@@ -121,6 +123,7 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
             state.version, republish = plan.version, plan.publish
         feed = Feed(cfg, client, data_position=state.data_position, step=state.step, version=state.version,
                     ledger=LedgerSnapshot.from_json(state.ledger))  # fmt: skip
+        clear_run_end(client, feed.keys)  # a resumed run is not over, whatever a lifetime before published
         live = LiveStatus(client=client, key=feed.keys.learner, port=lc.metrics_port, total_steps=lc.total_steps,
                           start_step=state.step)  # fmt: skip
     state.version, republish = _agree_version(state.version, republish, device)
@@ -221,6 +224,11 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
             checkpoint()
         if finished and lc.export_hf:
             export_hf(model, out_dir=paths.root / "final", source_dir=cfg.model.path)
+        if rank == 0 and code == 0 and state.step >= lc.total_steps:
+            try:  # rollout servers started by hand idle or exit (rollout.exit_when_run_ends)
+                publish_run_end(client, feed.keys, step=state.step, version=state.version)
+            except redis.RedisError as e:
+                log.warning("run_end_not_published", error=str(e))
     finally:
         stop_signal.restore()
         metrics.close()
@@ -228,6 +236,8 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
             live.close()
         if rank == 0 and feed is not None:
             _write_books(cfg, feed.keys, paths.root / "buffer_stats.json")
+        if rank == 0:
+            write_plot(cfg, paths)  # also without `tether up` (which draws it again at its end)
     log.info("learner_finished", step=state.step, version=state.version, code=code, stopped_by=stop_signal.received)
     return code
 

@@ -94,7 +94,7 @@ def make_micro_batch(samples: list[Sample], index: list[int], *, packed: bool, p
     width = sum(lengths) if packed else max(lengths)
     offset = 0
     for k, s in enumerate(chosen):
-        ids = torch.from_numpy(np.asarray(s.input_ids, dtype=np.int64))
+        ids = torch.tensor(np.asarray(s.input_ids, dtype=np.int64))  # a copy: decoded arrays are read-only views
         rows.append(ids)
         base = offset if packed else k * width
         pos = torch.arange(s.prompt_len - 1, s.length - 1) + base
@@ -137,7 +137,7 @@ def per_token(samples: list[Sample], index: list[int], name: str) -> Tensor:
         if np.ndim(value) == 0:
             parts.append(torch.full((s.num_completion,), float(value), dtype=torch.float32))
         else:
-            parts.append(torch.from_numpy(np.asarray(value, dtype=np.float32)))
+            parts.append(torch.tensor(np.asarray(value, dtype=np.float32)))  # a copy, as above
     return torch.cat(parts) if parts else torch.zeros(0)
 
 

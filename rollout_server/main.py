@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import signal
 import socket
+import sys
 
 from tether.config import TetherConfig
 from tether.logs import get_logger, setup_logging
@@ -90,7 +91,7 @@ async def serve(cfg: TetherConfig, *, port: int, server_id: str, stop: asyncio.E
     tasks = [asyncio.create_task(episodes.sweep_forever(), name="episode-sweeper")]
     worker_task = None
     if state.sink is not None:
-        tasks.append(asyncio.create_task(_heartbeat_forever(state, control), name="heartbeat"))
+        tasks.append(asyncio.create_task(_heartbeat_forever(state, control, stop), name="heartbeat"))
         if rc.prompt_workers > 0:
             from rollout_server.worker import PromptWorker
 
@@ -102,6 +103,7 @@ async def serve(cfg: TetherConfig, *, port: int, server_id: str, stop: asyncio.E
         server_id=server_id,
         prompt_workers=rc.prompt_workers if state.sink else 0,
         tls=bool(rc.tls_cert),
+        threads=_torch_threads(),
     )
 
     await stop.wait()
@@ -135,6 +137,12 @@ async def _drain(state, health, worker_task, set_serving) -> None:  # type: igno
     await asyncio.gather(*waits, return_exceptions=True)
 
 
+def _torch_threads() -> int | None:
+    """The engine's CPU thread count (``OMP_NUM_THREADS`` as torch took it): one process per core share."""
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else None
+
+
 def _connect_sink(cfg: TetherConfig, server_id: str):  # type: ignore[no-untyped-def]
     if cfg.run.run_id is None or not cfg.buffer.redis_url:
         log.warning(
@@ -163,7 +171,21 @@ async def _catch_up(control) -> None:  # type: ignore[no-untyped-def]
         log.warning("catch_up_failed", error=str(e))
 
 
-async def _heartbeat_forever(state, control) -> None:  # type: ignore[no-untyped-def]
+async def _check_run_end(state, stop: asyncio.Event, said: bool) -> bool:  # type: ignore[no-untyped-def]
+    """The learner published the run's end: exit (``rollout.exit_when_run_ends``) or say once that we idle."""
+    ended = await state.sink.run_ended()
+    if ended is None:
+        return False
+    if state.cfg.rollout.exit_when_run_ends:
+        log.info("run_ended_exiting", **ended)
+        stop.set()
+    elif not said:
+        log.info("run_ended_idling", **ended, hint="the learner finished; pass --exit-when-run-ends to exit instead")
+    return True
+
+
+async def _heartbeat_forever(state, control, stop: asyncio.Event) -> None:  # type: ignore[no-untyped-def]
+    said_ended = False
     while True:
         try:
             await state.sink.heartbeat(
@@ -179,6 +201,7 @@ async def _heartbeat_forever(state, control) -> None:  # type: ignore[no-untyped
             # version is ahead of ours, load the newest snapshot (catch_up is a no-op without one).
             if await state.sink.published_version() > state.engine.policy_version:
                 await _catch_up(control)
+            said_ended = await _check_run_end(state, stop, said_ended)
         except Exception as e:
             log.warning("heartbeat_failed", error=str(e))
         await asyncio.sleep(state.cfg.rollout.heartbeat_s)

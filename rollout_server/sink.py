@@ -127,6 +127,12 @@ class BufferSink:
 
         return await self._call(read_version, self.client, self.keys)
 
+    async def run_ended(self) -> dict | None:
+        """What the learner published when the run finished (step, version), or None while it goes on."""
+        from buffer.health import run_ended
+
+        return await self._call(run_ended, self.client, self.keys)
+
     async def remove(self) -> None:
         await self._call(self.registry.remove, self.server_id)
 

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tether", description="Asynchronous actor-learner RL post-training for language models."
     )
+    from tether import __version__
+
+    parser.add_argument("--version", action="version", version=f"tether {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     up = sub.add_parser("up", help="run the whole loop on this machine (embedded Redis, learner, rollout servers)")
@@ -60,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     rollout = sub.add_parser("rollout", help="start one rollout server (gRPC + prompt worker)")
     _add_config(rollout)
+    rollout.add_argument(
+        "--exit-when-run-ends",
+        action="store_true",
+        help="exit once the learner has finished the run (same as --rollout.exit_when_run_ends true)",
+    )
 
     status = sub.add_parser("status", help="show versions, buffer, servers and throughput of a run")
     _add_config(status)
@@ -117,8 +125,11 @@ def cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load(args, overrides)
     _require_run_id(cfg)
-    from tether.launcher import learner_command
+    from tether.launcher import check_redis, learner_command
 
+    if args.node_rank == 0:  # rank 0 is the one that talks to Redis
+        check_redis(cfg)
+    _split_threads(cfg, "learner")
     cmd = learner_command(
         cfg,
         config_path=args.config,
@@ -133,11 +144,30 @@ def cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_rollout(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.exit_when_run_ends:
+        overrides = [*overrides, "--rollout.exit_when_run_ends", "true"]
     cfg = _load(args, overrides)
     _require_run_id(cfg)
+    _split_threads(cfg, "rollout")  # before torch is imported: it reads OMP_NUM_THREADS once
+    from tether.launcher import check_redis
+
+    try:  # a server may start before Redis does: say so, then keep retrying as it always does
+        check_redis(cfg)
+    except ConfigError as e:
+        print(f"tether: warning: {e} (the server starts anyway and retries)", file=sys.stderr)
     from rollout_server.main import run
 
     return run(cfg)
+
+
+def _split_threads(cfg: TetherConfig, role: str) -> None:
+    """A learner or rollout server started by hand gets the thread count ``tether up`` would give it
+    (:func:`tether.resources.thread_env`: the cores split over the config's local processes, the learner taking
+    them all in synchronous mode). Without it each process uses every core and they fight (1-2 s per demo step
+    instead of ~0.1 s). ``OMP_NUM_THREADS`` set by the user wins."""
+    from tether.resources import thread_env
+
+    os.environ.update(thread_env(cfg, role))
 
 
 def cmd_status(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -161,7 +161,18 @@ class RolloutClient(_Base):
         self.channel.close()
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
-        grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+        """Wait until the server accepts a connection (a server loads its engine before it listens), at most
+        ``timeout_s``; then :class:`TimeoutError` naming the address, not grpc's bare FutureTimeoutError."""
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            from tether.reachability import unreachable_reason
+
+            why = unreachable_reason(self.address, timeout_s=1.0) or "it accepts TCP but does not speak gRPC"
+            raise TimeoutError(
+                f"no rollout server answered at {self.address} within {timeout_s:g}s ({why}) — start one (tether up "
+                "or tether rollout; its address is in the log line rollout_server_ready) or fix the address"
+            ) from None
 
     def generate(self, *, timeout_s: float | None = None, **kw: Any) -> rollout_pb2.GenerateResponse:
         return self.rollout.Generate(generate_request(**kw), **self._kw(timeout_s))

@@ -6,18 +6,23 @@ starts the embedded Redis when ``buffer.redis_url`` is empty, then the learner u
 they print goes to ``<name>.out``). It returns when the learner finishes. Ctrl-C, SIGTERM or a crashed
 child stop everything the same way (no orphan processes): the children get SIGTERM, so the learner
 finishes its step and checkpoints; then the books and the plot are written and the embedded Redis saves
-its data in the run folder, so ``tether up --resume`` continues where the run stopped.
+its data in the run folder, so ``tether up --resume`` continues where the run stopped. The console
+(:mod:`tether.console`) reports on a terminal or a pipe alike, says in one line what keeps a run from
+training (:class:`buffer.health.RunWatch`, plus a check of a remote reward service before the start),
+and every ending closes with a summary.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
+import time
 from pathlib import Path
 
 from tether.config import ConfigError, TetherConfig, save_resolved
 from tether.devices import count_gpus, plan_devices
 from tether.logs import get_logger, setup_logging
+from tether.plots import write_plot
 from tether.resources import thread_env
 from tether.runs import RunPaths, new_run_id, run_paths
 from tether.supervisor import ChildFailed, ChildSpec, Supervisor
@@ -99,6 +104,19 @@ def check_model_path(cfg: TetherConfig) -> None:
         )
 
 
+def check_redis(cfg: TetherConfig) -> None:
+    """Fail in seconds, before any process starts, when a given ``buffer.redis_url`` does not answer (an
+    empty one is the embedded Redis, started here)."""
+    if not cfg.buffer.redis_url:
+        return
+    from tether.redis_server import RedisUnavailable, connect_redis
+
+    try:
+        connect_redis(cfg.buffer.redis_url, timeout_s=3.0).close()
+    except RedisUnavailable as e:
+        raise ConfigError(str(e)) from None
+
+
 def save_buffer_stats(cfg: TetherConfig, paths: RunPaths) -> None:
     """Write the buffer's final books to ``{run}/buffer_stats.json`` (best effort, never fails the run)."""
     try:
@@ -119,6 +137,7 @@ def save_buffer_stats(cfg: TetherConfig, paths: RunPaths) -> None:
 def up(cfg: TetherConfig, *, resume: bool = False) -> int:
     check_model_path(cfg)
     gpus = plan_devices(cfg, count_gpus())  # a config that cannot fit this box fails before anything starts
+    check_redis(cfg)
     if cfg.run.run_id is None:
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_id": new_run_id()})})
     paths: RunPaths = run_paths(cfg).make()
@@ -127,7 +146,8 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
     )
     from tether.redis_server import EmbeddedRedis
 
-    embedded = None
+    started, outcome = time.time(), "failed"
+    embedded = progress = None
     supervisor = Supervisor(grace_s=cfg.rollout.drain_timeout_s + 5, max_restarts=cfg.run.max_restarts,
                             backoff_s=cfg.run.restart_backoff_s)  # fmt: skip
     previous_term = signal.signal(signal.SIGTERM, _interrupt)  # kill, systemd, container runtimes: as Ctrl-C
@@ -151,31 +171,58 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
             cmd = rollout_command(cfg, index=i, redis_url=url if embedded else "")
             spec = ChildSpec(name, cmd, paths.console_file(name), env={**env, **gpus.rollout_envs[i]}, restartable=True)
             supervisor.start(spec)
-        from tether.status import ProgressLine
+        from buffer.health import RunWatch
+        from tether.console import ProgressLine
 
-        progress = ProgressLine(_with_redis(cfg, url))
-        try:
-            supervisor.wait(on_tick=progress.update)
-        finally:
-            progress.close()
+        live = _with_redis(cfg, url)
+        progress = ProgressLine(live, metrics_path=paths.metrics, watch=RunWatch(live))
+        print(f"tether: run {cfg.run.run_id} started — folder {paths.root}", flush=True)
+        for warning in preflight_warnings(cfg):
+            progress.warn(warning)
+        supervisor.wait(on_tick=progress.update)
         log.info("run_finished", run_id=cfg.run.run_id, folder=str(paths.root))
+        outcome = "finished"
         return 0
     except ChildFailed as e:
         log.error("child_failed", child=e.name, code=e.code, log=str(e.log_file))
         print(f"tether: {e}", file=sys.stderr)
+        outcome = f"failed ({e.name} exited with code {e.code})"
         return 1
     except KeyboardInterrupt:
         print("\ntether: interrupted — stopping all processes (the learner checkpoints first)", file=sys.stderr)
+        outcome = "interrupted"
         return 130
     finally:
         supervisor.stop_all()  # the learner finishes its step, checkpoints and writes the books
         signal.signal(signal.SIGTERM, previous_term)
+        if progress is not None:
+            progress.finish()  # the steps logged since the last tick, the last one always
         if url:
             save_buffer_stats(_with_redis(cfg, url), paths)
-        _plot(paths)
+        write_plot(cfg, paths)
         if embedded is not None:
             embedded.stop(save=True)  # its data stays in the run folder for `tether up --resume`
             paths.redis_url_file.unlink(missing_ok=True)
+        from tether.console import summary_lines
+
+        for line in summary_lines(cfg, paths, outcome=outcome, started=started):
+            print(f"tether: {line}", flush=True)
+
+
+def preflight_warnings(cfg: TetherConfig) -> list[str]:
+    """What can be seen to be wrong before the first step: a remote reward service nobody listens at."""
+    reward = cfg.rollout.reward
+    if reward.type != "remote":
+        return []
+    from tether.reachability import unreachable_reason
+
+    reason = unreachable_reason(reward.address, timeout_s=3.0)
+    if reason is None:
+        return []
+    return [
+        f"the reward service at {reward.address} is unreachable ({reason}) — every group will be dead-lettered "
+        "until it answers; start it (e.g. python examples/reward_service.py --port PORT) or fix rollout.reward.address"
+    ]
 
 
 def _with_redis(cfg: TetherConfig, url: str) -> TetherConfig:
@@ -184,17 +231,3 @@ def _with_redis(cfg: TetherConfig, url: str) -> TetherConfig:
 
 def _interrupt(signum: int, _frame) -> None:  # type: ignore[no-untyped-def]
     raise KeyboardInterrupt
-
-
-def _plot(paths: RunPaths) -> None:
-    if not paths.metrics.exists():
-        return
-    try:
-        from tether.plots import plot_metrics
-
-        png = plot_metrics(paths.metrics, paths.plots / "curves.png")
-    except Exception as e:  # diagnostics only
-        log.warning("plot_not_written", error=repr(e))
-        return
-    if png is not None:
-        print(f"tether: training curves in {png}", file=sys.stderr)

@@ -133,8 +133,14 @@ class EmbeddedRedis:
             ]
             if self.password:
                 args += ["--requirepass", self.password]
+            # Its own session: a terminal's Ctrl-C (SIGINT to the whole foreground group) must reach only
+            # `tether up`, which still needs Redis to stop the run, read the books and save the data.
             self.process = subprocess.Popen(
-                args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent
+                args,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                preexec_fn=die_with_parent,
+                start_new_session=True,
             )
             if self._wait_ready():
                 self._consume_dump()

@@ -1,4 +1,4 @@
-"""``tether status`` and the live progress line of ``tether up``: a run, as Redis sees it.
+"""``tether status``: a run, as Redis sees it (``tether up``'s console, :mod:`tether.console`, reuses the samples).
 
 Everything shown is read from the run's Redis keys (``buffer.keys.RedisKeys``): the published policy
 version, the learner's hash (``step``, ``reward_mean``, ``tokens_per_s`` when it publishes them), buffer
@@ -8,7 +8,6 @@ agreement between hosts. Neither view may take a run down: every Redis error bec
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from typing import TextIO
@@ -162,64 +161,3 @@ def show_status(cfg: TetherConfig, *, watch: bool = False, out: TextIO | None = 
         return 1
     finally:
         client.close()
-
-
-class ProgressLine:
-    """One self-overwriting status line for ``tether up``; ``update()`` about once a second, never raises."""
-
-    def __init__(self, cfg: TetherConfig, *, out: TextIO | None = None, plain_every_s: float = 10.0) -> None:
-        self.cfg = cfg
-        self.keys = RedisKeys(cfg.run.run_id or "")
-        self.out = out or sys.stdout
-        self.plain_every_s = plain_every_s
-        self._client: redis.Redis | None = None
-        self._last: _Sample | None = None
-        self._width = 0
-        self._last_plain = 0.0
-
-    def line(self) -> str:
-        """The current line's text (also used by tests)."""
-        try:
-            if self._client is None:
-                self._client = connect_redis(self.cfg.buffer.redis_url, timeout_s=0.5)
-            new = _Sample(self._client, self.keys)
-        except Exception:
-            # Anything at all (Redis down, a half-written key): the launcher's loop must keep running.
-            self._drop_client()
-            return "redis: unreachable"
-        old, self._last = self._last, new
-        s = new.stats
-        return (
-            f"step {new.learner_str('step')} | v{new.version} | "
-            f"reward {_fmt(new.learner_float('reward_mean'), '.3f')} | "
-            f"gen {_fmt(_rate(new, old, 'buffer/tokens'), '.0f')} tok/s | "
-            f"staleness {_recent_staleness(new, old):.2f} | buffer {s['buffer/depth']:.0f}"
-        )
-
-    def update(self) -> None:
-        with contextlib.suppress(Exception):
-            text = self.line()
-            if self.out.isatty():
-                pad = max(0, self._width - len(text))
-                self.out.write("\r" + text + " " * pad)
-                self._width = len(text)
-            else:  # a log file or pipe: carriage returns would pile up, so a plain line now and then
-                now = time.monotonic()
-                if now - self._last_plain < self.plain_every_s:
-                    return
-                self._last_plain = now
-                self.out.write(text + "\n")
-            self.out.flush()
-
-    def _drop_client(self) -> None:
-        if self._client is not None:
-            with contextlib.suppress(Exception):
-                self._client.close()
-        self._client = None
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            if self._width and self.out.isatty():
-                self.out.write("\n")
-                self.out.flush()
-        self._drop_client()

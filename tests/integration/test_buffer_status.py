@@ -13,8 +13,9 @@ import redis
 from buffer import RedisKeys, ServerInfo, ServerRegistry, TrajectoryReader, TrajectoryWriter, publish_version
 from tests.unit.test_buffer_codec import make_group
 from tether.config import TetherConfig
+from tether.console import ProgressLine
 from tether.redis_server import free_port
-from tether.status import ProgressLine, show_status
+from tether.status import show_status
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,7 +68,7 @@ def test_progress_line(redis_client: redis.Redis, redis_url: str) -> None:
 
 def test_progress_line_never_raises_when_redis_is_down() -> None:
     out = io.StringIO()
-    line = ProgressLine(_cfg(f"redis://127.0.0.1:{free_port()}/0"), out=out, plain_every_s=0)
+    line = ProgressLine(_cfg(f"redis://127.0.0.1:{free_port()}/0"), out=out, quiet_every_s=0)
     assert line.line() == "redis: unreachable"
     line.update()
     line.close()

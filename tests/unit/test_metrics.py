@@ -62,7 +62,8 @@ def test_plot_writes_png(tmp_path: Path) -> None:
     sink.close()
     out = plot_metrics(tmp_path / "m.jsonl", tmp_path / "plots" / "curves.png")
     assert out is not None and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert plot_metrics(tmp_path / "m.jsonl", tmp_path / "none.png", keys=("absent",)) is None
+    JsonlMetrics(tmp_path / "other.jsonl").log({"unplotted/key": 1.0}, step=0)
+    assert plot_metrics(tmp_path / "other.jsonl", tmp_path / "none.png") is None
 
 
 @pytest.mark.parametrize("value", [1, 2.5, True])

@@ -132,3 +132,20 @@ def test_plan_of_nothing_and_of_fewer_samples_than_ranks() -> None:
     assert plan_micro_batches([], world_size=2, dynamic=True, max_tokens=10, micro_batch_size=2) == [[], []]
     plan = plan_micro_batches([5], world_size=2, dynamic=True, max_tokens=10, micro_batch_size=2)
     assert sorted(len(r) for r in plan) == [1, 1] and sorted(sum(map(len, r)) for r in plan) == [0, 1]
+
+
+def test_read_only_arrays_pack_without_a_warning() -> None:
+    """Decoded trajectories are read-only views of the wire bytes (``np.frombuffer``); packing them must
+    not make torch warn "The given NumPy array is not writable" (it did, once per batch)."""
+    ids = np.frombuffer(np.arange(6, dtype=np.int64).tobytes(), dtype=np.int64)
+    logprobs = np.frombuffer(np.zeros(3, dtype=np.float32).tobytes(), dtype=np.float32)
+    sample = Sample(input_ids=ids, prompt_len=3, behavior_logprobs=logprobs, loss_mask=np.ones(3, np.float32))
+    assert not ids.flags.writeable
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batch = make_micro_batch([sample], [0], packed=True)
+        values = per_token([sample], [0], "behavior_logprobs")
+    assert batch.input_ids.tolist() == [list(range(6))]
+    assert values.tolist() == [0.0, 0.0, 0.0]

@@ -192,6 +192,10 @@ class RolloutConfig(Section):
             )
         return value
 
+    exit_when_run_ends: bool = False
+    """Exit (code 0, after a drain) once the learner has published that the run finished; off: stay up
+    and idle (right for servers a Deployment would restart). ``tether rollout --exit-when-run-ends``."""
+
     @model_validator(mode="after")
     def _tls_pair(self) -> RolloutConfig:
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -1,0 +1,267 @@
+"""What ``tether up`` prints while a run goes and when it ends, wherever its output goes.
+
+On a terminal: one self-overwriting line, refreshed about once a second from Redis. Anywhere else — a
+file, a pipe, CI, ``nohup``, compose logs — carriage returns would pile up, so the console prints one
+plain line every ``every_steps`` learner steps instead, read from the run's ``metrics.jsonl`` so that each
+line is an exact step (the first and the last of this lifetime always among them), plus the live line
+every ``quiet_every_s`` while no step arrives (so a stuck run still says what it is doing). In both
+modes a failure that stops training (:class:`buffer.health.RunWatch`, an unreachable Redis) is a
+``tether: warning:`` line of its own, and every ending closes with :func:`summary_lines`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import redis
+
+from buffer import RedisKeys
+from buffer.health import RunWatch
+from tether.config import TetherConfig
+from tether.logs import get_logger
+from tether.redis_server import connect_redis, redacted
+from tether.runs import RunPaths
+from tether.status import _fmt, _rate, _recent_staleness, _Sample
+
+log = get_logger(__name__)
+
+REDIS_GRACE_TICKS = 3
+"""Failed Redis reads in a row before the console says Redis is unreachable (one blip is not news)."""
+
+
+def step_interval(total_steps: int, *, lines: int = 15) -> int:
+    """A round number of steps (1, 2, 5, 10, 20, 50, ...) giving at most about ``lines`` step lines."""
+    n = 1
+    while total_steps / n > lines:
+        for factor in (2, 2.5, 2):  # 1 → 2 → 5 → 10 → 20 → 50 ...
+            n = int(n * factor)
+            if total_steps / n <= lines:
+                break
+    return n
+
+
+class ProgressLine:
+    """The console of ``tether up``; ``update()`` about once a second, ``finish()`` once. Never raises."""
+
+    def __init__(
+        self,
+        cfg: TetherConfig,
+        *,
+        out: TextIO | None = None,
+        metrics_path: Path | None = None,
+        every_steps: int | None = None,
+        quiet_every_s: float = 30.0,
+        watch: RunWatch | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.keys = RedisKeys(cfg.run.run_id or "")
+        self.out = out or sys.stdout
+        self.tty = _isatty(self.out)
+        self.every = every_steps or step_interval(cfg.learner.total_steps)
+        self.quiet_every_s = quiet_every_s
+        self.watch = watch
+        self.metrics_path = metrics_path
+        # Rows already in the file belong to earlier lifetimes of a resumed run.
+        self._offset = metrics_path.stat().st_size if metrics_path is not None and metrics_path.exists() else 0
+        self._client: redis.Redis | None = None
+        self._last: _Sample | None = None
+        self._gen_rate: float | None = None
+        self._width = 0
+        self._last_plain = time.monotonic()
+        self._printed_step: int | None = None
+        self._last_row: dict[str, Any] | None = None
+        self._redis_failures = 0
+
+    def line(self) -> str:
+        """The live line's text (also used by tests)."""
+        try:
+            if self._client is None:
+                self._client = connect_redis(self.cfg.buffer.redis_url, timeout_s=0.5)
+            new = _Sample(self._client, self.keys)
+        except Exception:
+            # Anything at all (Redis down, a half-written key): the launcher's loop must keep running.
+            self._drop_client()
+            self._redis_failures += 1
+            return "redis: unreachable"
+        self._redis_failures = 0
+        old, self._last = self._last, new
+        s = new.stats
+        self._gen_rate = _rate(new, old, "buffer/tokens")
+        return (
+            f"step {new.learner_str('step')} | v{new.version} | "
+            f"reward {_fmt(new.learner_float('reward_mean'), '.3f')} | "
+            f"gen {_fmt(self._gen_rate, '.0f')} tok/s | "
+            f"staleness {_recent_staleness(new, old):.2f} | buffer {s['buffer/depth']:.0f}"
+        )
+
+    def update(self) -> None:
+        with contextlib.suppress(Exception):
+            text = self.line()
+            for warning in self._warnings():
+                self.warn(warning)
+            if self.tty:
+                pad = max(0, self._width - len(text))
+                self.out.write("\r" + text + " " * pad)
+                self._width = len(text)
+            else:
+                self._plain(text)
+            self.out.flush()
+
+    def warn(self, message: str) -> None:
+        """A warning on a line of its own (above the live line on a terminal)."""
+        log.warning("run_warning", message=message)
+        prefix = "\r" + " " * self._width + "\r" if self.tty and self._width else ""
+        self.out.write(f"{prefix}tether: warning: {message}\n")
+        self._width = 0
+        self.out.flush()
+
+    def finish(self) -> None:
+        """The steps not yet shown (always the last one), then end the live line."""
+        with contextlib.suppress(Exception):
+            if self.tty:
+                if self._width:
+                    self.out.write("\n")
+            else:
+                for row in self._new_rows():
+                    self._show(row, force=False)
+                if self._last_row is not None and self._printed_step != self._last_row["step"]:
+                    self._show(self._last_row, force=True)
+            self.out.flush()
+        self._drop_client()
+
+    def close(self) -> None:
+        self.finish()
+
+    def _warnings(self) -> list[str]:
+        if self._redis_failures == REDIS_GRACE_TICKS:
+            return [
+                f"Redis at {redacted(self.cfg.buffer.redis_url)} is unreachable, so no data moves — check that it "
+                "runs there and buffer.redis_url (empty means the embedded one, which tether up starts itself)"
+            ]
+        if self.watch is None or self._client is None:
+            return []
+        try:
+            return self.watch.check(self._client)
+        except redis.RedisError:
+            return []
+
+    def _plain(self, text: str) -> None:
+        shown = False
+        for row in self._new_rows():
+            shown |= self._show(row, force=False)
+        if not shown and time.monotonic() - self._last_plain >= self.quiet_every_s:
+            self.out.write(text + "\n")
+            self._last_plain = time.monotonic()
+
+    def _show(self, row: dict[str, Any], *, force: bool) -> bool:
+        step = int(row["step"])
+        first = self._printed_step is None
+        self._last_row = row
+        if not (force or first or step % self.every == 0 or step >= self.cfg.learner.total_steps):
+            return False
+        self.out.write(self._row_line(row) + "\n")
+        self._printed_step = step
+        self._last_plain = time.monotonic()
+        return True
+
+    def _row_line(self, row: dict[str, Any]) -> str:
+        version = row.get("learner/version")
+        depth = self._last.stats["buffer/depth"] if self._last is not None else None
+        return (
+            f"step {row['step']}/{self.cfg.learner.total_steps} | v{_fmt(version, '.0f')} | "
+            f"reward {_fmt(row.get('reward/mean'), '.3f')} | gen {_fmt(self._gen_rate, '.0f')} tok/s | "
+            f"staleness {_fmt(row.get('staleness/mean'), '.2f')} | buffer {_fmt(depth, '.0f')}"
+        )
+
+    def _new_rows(self) -> list[dict[str, Any]]:
+        """Training rows appended to metrics.jsonl since the last call (whole lines only)."""
+        if self.metrics_path is None or not self.metrics_path.exists():
+            return []
+        with self.metrics_path.open("rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        rows = []
+        for raw in data[:end].splitlines():
+            with contextlib.suppress(ValueError):
+                row = json.loads(raw)
+                if row.get("reward/mean") is not None:
+                    rows.append(row)
+        return rows
+
+    def _drop_client(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+        self._client = None
+
+
+def _isatty(out: TextIO) -> bool:
+    try:
+        return out.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def summary_lines(cfg: TetherConfig, paths: RunPaths, *, outcome: str, started: float) -> list[str]:
+    """The run in a few lines: how it ended, steps, reward first → last, samples/s, wall time, where things
+    are. ``started`` is the wall-clock start of this lifetime (earlier lifetimes' rows are not counted)."""
+    wall = time.time() - started
+    rows = _rows_since(paths.metrics, started)
+    head = f"run {cfg.run.run_id} {outcome} after {_duration(wall)}"
+    lines = []
+    if not rows:
+        lines.append(f"{head}, before its first learner step")
+    else:
+        first, last = rows[0], rows[-1]
+        steps = f"{first['step']} → {last['step']}"
+        lines.append(f"{head}: {len(rows)} learner steps ({steps} of {cfg.learner.total_steps})")
+        rewards = [r["reward/mean"] for r in rows]
+        tail = rewards[-10:]
+        lines.append(
+            f"reward {rewards[0]:.3f} → {rewards[-1]:.3f} (step {steps}; best {max(rewards):.3f}, "
+            f"mean of the last {len(tail)} {sum(tail) / len(tail):.3f})"
+        )
+        samples = sum(_samples(r, cfg.rollout.n) for r in rows)
+        span = last["time"] - first["time"] + (first.get("timing/step") or 0.0)
+        rate = f"{samples / span:.1f} samples/s" if span > 0 else "- samples/s"
+        stale = [r["staleness/mean"] for r in rows if r.get("staleness/mean") is not None]
+        mean_stale = f", staleness mean {sum(stale) / len(stale):.2f}" if stale else ""
+        lines.append(f"throughput {rate} trained ({samples:.0f} samples in {_duration(span)} of training{mean_stale})")
+    lines.append(f"run folder {paths.root}")
+    for label, path in (
+        ("plot", paths.plots / "curves.png"),
+        ("books", paths.root / "buffer_stats.json"),
+        ("metrics", paths.metrics),
+    ):
+        if path.exists():
+            lines.append(f"  {label:<8} {path}")
+    lines.append(f"  {'logs':<8} {paths.logs}/")
+    return lines
+
+
+def _samples(row: dict[str, Any], n: int) -> float:
+    """Trained samples of a step: the learner's count (episodes' groups vary in size), else groups × n."""
+    if row.get("learner/samples") is not None:
+        return row["learner/samples"]
+    return (row.get("data/groups") or 0) * n
+
+
+def _rows_since(path: Path, started: float) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    from tether.metrics import read_metrics
+
+    return [r for r in read_metrics(path) if r.get("reward/mean") is not None and r.get("time", 0) >= started]
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
