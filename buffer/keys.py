@@ -90,6 +90,7 @@ class RedisKeys:
         """Stream of scored evaluation samples, one entry per prompt; read and deleted by learner rank 0."""
         return self.prefix + "val_results"
 
+    @property
     def run_end(self) -> str:
         """Set by the learner when the run has finished (JSON: step, version); rollout servers idle or exit."""
         return self.prefix + "run_end"
