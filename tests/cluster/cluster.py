@@ -151,7 +151,7 @@ print(json.dumps({{"version": read_version(c, k), "servers": {{s.server_id: s.po
 import json, urllib.request
 body = urllib.request.urlopen("http://{HOSTS[host]}:9100/metrics", timeout=5).read().decode()
 print(json.dumps({{"n": sum(float(l.split()[-1]) for l in body.splitlines()
-      if l.startswith("tether_rollout_groups_written_total")}}))
+      if l.startswith("tether_rollout_groups_written_total"))}}))
 """,
         )
         return text["n"]

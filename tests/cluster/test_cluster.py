@@ -11,6 +11,7 @@ import pytest
 from tests.cluster.cluster import BATCH, HOSTS
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
+STEPS_JOIN = 300  # the tiny model steps in ~0.15 s: long enough for a server started mid-run to load and serve
 
 
 def _assert_run_whole(cluster, steps: int) -> None:
@@ -74,22 +75,25 @@ def test_learner_cut_off_from_redis_then_healed(make_cluster) -> None:
 
 
 def test_a_third_rollout_host_joins_mid_run(make_cluster) -> None:
-    cluster = make_cluster(steps=16).start()
+    # Two prompts at a time per server: the look-ahead of 8 prompts needs every server, the new one included.
+    cluster = make_cluster(steps=STEPS_JOIN, rollout={"prompt_workers": 2}).start()
     cluster.wait_for_step(3)
     cluster.start_rollout("rollout2")
     joined = None
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline:  # registered, and at the current version (snapshot, then the updates)
         reg = cluster.registry()
-        if "rollout2" in reg["servers"]:
+        if reg["servers"].get("rollout2", -2) >= reg["version"] - 1:
             joined = reg
             break
         time.sleep(0.5)
     assert joined is not None, cluster.logs()
-    assert joined["servers"]["rollout2"] >= joined["version"] - 1  # joined at the current version (snapshot)
+    deadline = time.monotonic() + 120
+    while cluster.groups_written("rollout2") == 0:  # and it receives work
+        assert time.monotonic() < deadline and cluster.learners[0].poll() is None, cluster.logs()
+        time.sleep(0.5)
     cluster.wait_finished()
-    _assert_run_whole(cluster, 16)
-    assert cluster.groups_written("rollout2") > 0  # and it received work
+    _assert_run_whole(cluster, STEPS_JOIN)
 
 
 def test_redis_killed_and_restarted_from_its_aof(make_cluster) -> None:
