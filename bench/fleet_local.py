@@ -28,6 +28,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import figure, report  # noqa: E402
 from tether.metrics import read_metrics  # noqa: E402
 from tether.redis_server import EmbeddedRedis  # noqa: E402
 
@@ -136,6 +137,10 @@ def main() -> None:
             print(f"all cores each:      {' '.join(f'{r:.1f}' for r in rates['all-cores'])} samples/s "
                   f"(median {old:.1f}; all-cores/up {old / up:.2f}x)")  # fmt: skip
         print(f"separate/up samples/s ratio: {sep / up:.2f}x")
+        # Per repeat: separate ÷ up of the same repeat (the two ran back to back).
+        pairs = zip(rates["separate"], rates["up"], strict=True)
+        report(figure("fleet_local/separate_vs_up_samples_per_s", [s / u for s, u in pairs], goal=0.9,
+                      direction="min", baseline="tether up on the same config, same repeat"), quick=args.quick)  # fmt: skip
 
 
 if __name__ == "__main__":
