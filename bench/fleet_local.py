@@ -139,8 +139,10 @@ def main() -> None:
         print(f"separate/up samples/s ratio: {sep / up:.2f}x")
         # Per repeat: separate ÷ up of the same repeat (the two ran back to back).
         pairs = zip(rates["separate"], rates["up"], strict=True)
-        report(figure("fleet_local/separate_vs_up_samples_per_s", [s / u for s, u in pairs], goal=0.9,
-                      direction="min", baseline="tether up on the same config, same repeat"), quick=args.quick)  # fmt: skip
+        baseline = "tether up on the same config, same repeat"
+        fig = figure("fleet_local/separate_vs_up_samples_per_s", [s / u for s, u in pairs], goal=0.9,
+                     direction="min", baseline=baseline)  # fmt: skip
+        report(fig, quick=args.quick)
 
 
 if __name__ == "__main__":
