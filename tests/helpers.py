@@ -82,3 +82,22 @@ def learner_logprobs(model, prompt: list[int], completions: list[list[int]], beh
             model, mb, device=torch.device("cpu"), temperature=per_token(samples, index, "temperature")
         )
     return list(logp.split([len(c) for c in completions]))
+
+
+def processes_mentioning(needle: str, *, without: str = "") -> list[int]:
+    """PIDs of live (not zombie) processes whose command line mentions ``needle`` and not ``without``."""
+    import os
+    from pathlib import Path
+
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().split()[2]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if needle in cmdline and state != "Z" and not (without and without in cmdline):
+            pids.append(int(entry.name))
+    return pids

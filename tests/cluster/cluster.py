@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from tests.cluster.netlab import Lab
+from tests.helpers import processes_mentioning
 from tether.metrics import read_metrics
 from tether.redis_server import redis_executable
 
@@ -122,7 +123,7 @@ class Cluster:
         self.lab.close()
         # torchrun starts its ranks in sessions of their own: one whose agent was killed before it could stop
         # them would live on, so anything still naming this cluster's config goes too.
-        for pid in _pids_mentioning(str(self.config)):
+        for pid in processes_mentioning(str(self.config)):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -195,15 +196,3 @@ print(json.dumps({{"n": sum(float(l.split()[-1]) for l in body.splitlines()
     def logs(self, tail: int = 1500) -> str:
         names = ["learner0", "learner1", "rollout0", "rollout1", "rollout2", "redis", "reward", "switch"]
         return "\n".join(f"--- {n}\n{self.lab.log(n)[-tail:]}" for n in names if self.lab.log(n))
-
-
-def _pids_mentioning(needle: str) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if needle in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                    out.append(int(entry.name))
-            except OSError:
-                continue
-    return out

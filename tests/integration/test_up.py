@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import wait_gone
+from tests.helpers import processes_mentioning, wait_gone
 from tether.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,22 +63,6 @@ def write_config(
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def processes_mentioning(needle: str) -> list[int]:
-    """PIDs of live processes whose command line mentions ``needle`` (the run folder)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().split()[2]
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        if needle in cmdline and state != "Z":
-            pids.append(int(entry.name))
-    return pids
 
 
 @pytest.mark.slow

@@ -13,25 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import processes_mentioning
 from tests.integration.test_up import REPO, write_config
 from tether.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 STEPS = 14
-
-
-def _pids(needle: str, *, without: str = "") -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if needle in cmd and (not without or without not in cmd) and int(entry.name) != os.getpid():
-            out.append(int(entry.name))
-    return out
 
 
 def _wait_step(run_dir: Path, step: int, proc: subprocess.Popen) -> None:
@@ -56,10 +43,10 @@ def test_killed_children_are_restarted_and_the_run_finishes(tmp_path: Path, tiny
     )  # fmt: skip
     try:
         _wait_step(run_dir, 3, proc)
-        (server,) = _pids(f"{run_dir}/config.yaml --rollout.server_id rollout-0")
+        (server,) = processes_mentioning(f"{run_dir}/config.yaml --rollout.server_id rollout-0")
         os.kill(server, signal.SIGKILL)
         _wait_step(run_dir, 7, proc)
-        (rank,) = _pids(f"-m learner --config {run_dir}/config.yaml", without="torch.distributed.run")
+        (rank,) = processes_mentioning(f"-m learner --config {run_dir}/config.yaml", without="torch.distributed.run")
         os.kill(rank, signal.SIGKILL)
         out, _ = proc.communicate(timeout=600)
     finally:
