@@ -27,6 +27,7 @@ from buffer.ledger import write_books
 from learner.batch import broadcast_groups
 from learner.checkpoint import TrainState, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.feed import DataTimeout, Feed
+from learner.group_trace import GroupTrace
 from learner.lifecycle import StopSignal, plan_resume_version
 from learner.parallelize import load_model, parallelize
 from learner.telemetry import LiveStatus, StepProfiler, nvtx, peak_flops, train_flops
@@ -105,7 +106,7 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
     from weight_sync.sender import WeightSender
     from weight_sync.snapshot import latest_snapshot
 
-    client = feed = live = evaluator = None
+    client = feed = live = evaluator = trace = None
     metrics: MetricsLogger = build_metrics(paths.root, rank=rank, tensorboard=cfg.run.tensorboard)
     republish = False
     if rank == 0:
@@ -126,6 +127,7 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
         clear_run_end(client, feed.keys)  # a resumed run is not over, whatever a lifetime before published
         live = LiveStatus(client=client, key=feed.keys.learner, port=lc.metrics_port, total_steps=lc.total_steps,
                           start_step=state.step)  # fmt: skip
+        trace = GroupTrace(paths.root / "groups.jsonl")
     state.version, republish = _agree_version(state.version, republish, device)
     registry = ServerRegistry(client, feed.keys) if rank == 0 else None
     sender = WeightSender(cfg, model=model, rank=rank, world_size=world, registry=registry)
@@ -180,6 +182,7 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
                 out = trainer.train_step(groups, version=state.version)
             if rank == 0:
                 feed.ack(batch)  # after the optimizer step that used them
+                trace.write(batch, step=state.step + 1)
                 state.data_position = feed.position
                 out.update(feed.admission_metrics(state.version))
             state.step += 1
