@@ -74,16 +74,21 @@ def read_run(folder: str | Path) -> tuple[Fleet, Measured, list[float]]:
     folder = Path(folder)
     for name in ("config.yaml", "metrics.jsonl", "groups.jsonl"):
         if not (folder / name).is_file():
-            hint = " (written by the learner since `tether plan` exists; rerun with this version)" if name == (
-                "groups.jsonl") else ""  # fmt: skip
+            hint = (
+                " (written by the learner since `tether plan` exists; rerun with this version)"
+                if name == ("groups.jsonl")
+                else ""
+            )
             raise ConfigError(f"--from-run {folder}: no {name} in it{hint}")
     cfg = load_config(folder / "config.yaml")
     rows = {r["step"]: r for r in read_metrics(folder / "metrics.jsonl") if "timing/step" in r}
     groups = [json.loads(line) for line in (folder / "groups.jsonl").read_text().splitlines() if line.strip()]
     steps = sorted(rows)
     if len(steps) < WARMUP + 3 or steps != list(range(1, len(steps) + 1)):
-        raise ConfigError(f"--from-run {folder}: needs one unbroken lifetime of at least {WARMUP + 3} steps "
-                          f"(found steps {steps[:3]}…{steps[-3:]}); a resumed run cannot be replayed")  # fmt: skip
+        raise ConfigError(
+            f"--from-run {folder}: needs one unbroken lifetime of at least {WARMUP + 3} steps "
+            f"(found steps {steps[:3]}…{steps[-3:]}); a resumed run cannot be replayed"
+        )
     timed = [g for g in groups if g.get("started") and g.get("finished")]
     if not timed:
         raise ConfigError(f"--from-run {folder}: groups.jsonl has no generation timestamps")
@@ -96,8 +101,9 @@ def read_run(folder: str | Path) -> tuple[Fleet, Measured, list[float]]:
         for gs in by_server.values()
     ]
     window = steps[WARMUP:]
-    learner_busy = [rows[k]["timing/step"] - rows[k]["timing/wait_data"] - rows[k]["timing/weight_sync"]
-                    for k in window]  # fmt: skip
+    learner_busy = [
+        rows[k]["timing/step"] - rows[k]["timing/wait_data"] - rows[k]["timing/weight_sync"] for k in window
+    ]
     # The part of each step's wait that generation does not explain: the batch's last group finished at
     # `last`, the step began when the previous one logged; what the learner waited beyond that is reading,
     # decoding and the server's scoring and write. Its median is charged to every step as reading time.
@@ -121,8 +127,10 @@ def read_run(folder: str | Path) -> tuple[Fleet, Measured, list[float]]:
         sync_s=statistics.median(rows[k]["timing/weight_sync"] for k in window),
         sync_samples=tuple(rows[k]["timing/weight_sync"] for k in window),
         read_s=read_s,
-        lengths=Lengths(groups=tuple(tuple(g["lengths"]) for g in groups if g["step"] > WARMUP) or (
-            tuple(tuple(g["lengths"]) for g in groups))),  # fmt: skip
+        lengths=Lengths(
+            groups=tuple(tuple(g["lengths"]) for g in groups if g["step"] > WARMUP)
+            or (tuple(tuple(g["lengths"]) for g in groups))
+        ),
         prompt_tokens=statistics.fmean(g["prompt"] for g in groups),
         inflight=cfg.weight_sync.inflight,
     )

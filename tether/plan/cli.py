@@ -60,11 +60,17 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         cal = calibrate(args.from_run)
         print(report(cal))
         m, p = cal.measured, cal.predicted
-        _write_json(args.json, {
-            "measured": {**asdict(m), "staleness_mean": m.staleness_mean},
-            "predicted": {**{k: v for k, v in asdict(p).items() if k != "step_times"}, "staleness_mean": p.staleness_mean},
-            "rollout_tokens_per_s": cal.rollout_tokens_per_s,
-        })  # fmt: skip
+        _write_json(
+            args.json,
+            {
+                "measured": {**asdict(m), "staleness_mean": m.staleness_mean},
+                "predicted": {
+                    **{k: v for k, v in asdict(p).items() if k != "step_times"},
+                    "staleness_mean": p.staleness_mean,
+                },
+                "rollout_tokens_per_s": cal.rollout_tokens_per_s,
+            },
+        )
         return 0
 
     cfg = load_config(args.config, overrides)
@@ -76,14 +82,23 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.sweep:
         if not args.learner_gpus:
             raise ConfigError("--sweep needs --learner-gpus (the ratios multiply it)")
-        rows = sweep(cfg, rates, learner_gpus=args.learner_gpus, ratios=_numbers(args.ratios, float, "--ratios"),
-                     staleness=_numbers(args.staleness, int, "--staleness"))  # fmt: skip
+        rows = sweep(
+            cfg,
+            rates,
+            learner_gpus=args.learner_gpus,
+            ratios=_numbers(args.ratios, float, "--ratios"),
+            staleness=_numbers(args.staleness, int, "--staleness"),
+        )
         out = Path(args.sweep)
         out.mkdir(parents=True, exist_ok=True)
         table = sweep_table(rows)
         (out / "sweep.md").write_text(table + "\n")
-        png = sweep_plot(rows, out / "sweep.png", title=f"{rates.setting}\nB={cfg.learner.train_batch_size}, "
-                         f"n={cfg.rollout.n}, max_tokens={cfg.rollout.max_tokens}")  # fmt: skip
+        png = sweep_plot(
+            rows,
+            out / "sweep.png",
+            title=f"{rates.setting}\nB={cfg.learner.train_batch_size}, "
+            f"n={cfg.rollout.n}, max_tokens={cfg.rollout.max_tokens}",
+        )
         print(table)
         print(f"wrote {out / 'sweep.md'} and {png}")
         _write_json(args.json, {"sweep": [_as_json(p) for p in rows]})
@@ -97,8 +112,10 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         _write_json(args.json, {"best": _as_json(best), "tried": [_as_json(p) for p in tried]})
         return 0
     if not (args.learner_gpus and args.rollout_gpus):
-        raise ConfigError("tether plan: give --from-run RUN_DIR, or --learner-gpus and --rollout-gpus, or "
-                          "--total-gpus, or --learner-gpus with --sweep")  # fmt: skip
+        raise ConfigError(
+            "tether plan: give --from-run RUN_DIR, or --learner-gpus and --rollout-gpus, or "
+            "--total-gpus, or --learner-gpus with --sweep"
+        )
     p = project(cfg, rates, learner_gpus=args.learner_gpus, rollout_gpus=args.rollout_gpus)
     print(describe(p))
     _write_json(args.json, _as_json(p))

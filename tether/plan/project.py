@@ -62,8 +62,9 @@ class Projection:
         return self.trajectory_mb_per_s > self.redis_mb_per_s
 
 
-def project(cfg: TetherConfig, rates: Rates, *, learner_gpus: int, rollout_gpus: int,
-            max_staleness: int | None = None) -> Projection:  # fmt: skip
+def project(
+    cfg: TetherConfig, rates: Rates, *, learner_gpus: int, rollout_gpus: int, max_staleness: int | None = None
+) -> Projection:
     if max_staleness is not None:
         cfg = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"max_staleness": max_staleness})})
     fleet = fleet_for(cfg, rates, learner_gpus=learner_gpus, rollout_gpus=rollout_gpus)
@@ -75,14 +76,16 @@ def project(cfg: TetherConfig, rates: Rates, *, learner_gpus: int, rollout_gpus:
         max_staleness=fleet.max_staleness,
         fleet=fleet,
         sim=sim,
-        group_bytes=group_bytes(n=fleet.n, prompt_tokens=fleet.prompt_tokens,
-                                completion_tokens=fleet.lengths.mean_tokens()),  # fmt: skip
+        group_bytes=group_bytes(
+            n=fleet.n, prompt_tokens=fleet.prompt_tokens, completion_tokens=fleet.lengths.mean_tokens()
+        ),
         redis_mb_per_s=rates.redis.mb_per_s,
     )
 
 
-def best_split(cfg: TetherConfig, rates: Rates, *, total_gpus: int, learner_step: int = 8,
-               max_staleness: int | None = None) -> tuple[Projection, list[Projection]]:  # fmt: skip
+def best_split(
+    cfg: TetherConfig, rates: Rates, *, total_gpus: int, learner_step: int = 8, max_staleness: int | None = None
+) -> tuple[Projection, list[Projection]]:
     """Every split of ``total_gpus`` with learner GPUs a multiple of ``learner_step`` (and a whole number of
     rollout engines); the one with the most samples/s first, then all of them in order of learner GPUs."""
     tp = rates.rollout.tensor_parallel_size
@@ -122,8 +125,9 @@ def describe(p: Projection) -> str:
     return "\n".join(lines)
 
 
-def sweep(cfg: TetherConfig, rates: Rates, *, learner_gpus: int, ratios: list[float],
-          staleness: list[int]) -> list[Projection]:  # fmt: skip
+def sweep(
+    cfg: TetherConfig, rates: Rates, *, learner_gpus: int, ratios: list[float], staleness: list[int]
+) -> list[Projection]:
     tp = rates.rollout.tensor_parallel_size
     out = []
     for eta in staleness:
@@ -134,8 +138,10 @@ def sweep(cfg: TetherConfig, rates: Rates, *, learner_gpus: int, ratios: list[fl
 
 
 def sweep_table(rows: list[Projection]) -> str:
-    head = ("| max_staleness | learner GPUs | rollout GPUs | rollout:learner | samples/s | learner busy | rollout busy "
-            "| staleness mean | sync share | Redis MB/s | Redis MB peak |")  # fmt: skip
+    head = (
+        "| max_staleness | learner GPUs | rollout GPUs | rollout:learner | samples/s | learner busy | rollout busy "
+        "| staleness mean | sync share | Redis MB/s | Redis MB peak |"
+    )
     lines = [head, "|" + "---:|" * (head.count("|") - 1)]
     for p in rows:
         s = p.sim
