@@ -2,7 +2,8 @@
 
 The planner turns a config, a GPU split and these rates into a :class:`tether.plan.fleet.Fleet`:
 rollout engines of ``tensor_parallel_size`` GPUs each decode ``tokens_per_s`` together (at most
-``seq_tokens_per_s`` per sequence), working on ``max_num_seqs // n`` groups at once; the learner's
+``seq_tokens_per_s`` per sequence), each taking the groups tether's ``prompt_workers`` default gives it
+(the step's prompts times ``max_staleness + 1`` over the servers, at most ``max_num_seqs // n``); the learner's
 tokens/s grows with its GPUs times ``scaling_efficiency``; a weight update moves the bf16 weights at
 ``weight_sync.gb_per_s`` after a fixed handshake. Every field is an input the user can replace with a
 figure measured on their own hardware (``tether plan --from-run`` shows how to read them off a run).
@@ -18,6 +19,7 @@ from pydantic import ValidationError
 from tether.config import ConfigError, TetherConfig
 from tether.config.base import Section
 from tether.plan.fleet import Fleet, Lengths
+from tether.resources import prompt_workers
 
 DEFAULT_RATES = Path(__file__).resolve().parents[2] / "configs" / "rates" / "h100-7b.yaml"
 
@@ -37,7 +39,7 @@ class RolloutRates(Section):
     seq_tokens_per_s: float
     """Decode speed of one sequence (single stream): the ceiling for a group's longest sample."""
     max_num_seqs: int = 256
-    """Sequences one engine batches; groups at once = max_num_seqs // n."""
+    """Sequences one engine batches (``rollout.engine.max_num_seqs``): at most max_num_seqs // n groups at once."""
 
 
 class LearnerRates(Section):
@@ -111,7 +113,13 @@ def fleet_for(cfg: TetherConfig, rates: Rates, *, learner_gpus: int, rollout_gpu
         raise ConfigError(f"--learner-gpus must be >= 1, got {learner_gpus}")
     if rollout_gpus < tp:
         raise ConfigError(f"--rollout-gpus {rollout_gpus}: fewer than one rollout engine of {tp} GPUs (rates file)")
-    n = cfg.rollout.n
+    n, servers = cfg.rollout.n, rollout_gpus // tp
+    # tether's own default for the groups a server takes at once (a config's explicit value wins), with this
+    # fleet's server count and the rates file's engine batch.
+    engine = cfg.rollout.engine.model_copy(update={"max_num_seqs": rates.rollout.max_num_seqs})
+    sized = cfg.model_copy(
+        update={"rollout": cfg.rollout.model_copy(update={"num_servers": servers, "engine": engine})}
+    )
     lr = rates.learner
     learner_tps = lr.tokens_per_s_per_gpu * learner_gpus * (lr.scaling_efficiency if learner_gpus > 1 else 1.0)
     wl = rates.workload
@@ -120,8 +128,8 @@ def fleet_for(cfg: TetherConfig, rates: Rates, *, learner_gpus: int, rollout_gpu
         n=n,
         max_staleness=cfg.algorithm.max_staleness,
         sync_every=cfg.weight_sync.sync_every,
-        servers=rollout_gpus // tp,
-        slots_per_server=max(1, rates.rollout.max_num_seqs // n),
+        servers=servers,
+        slots_per_server=prompt_workers(sized),
         server_tokens_per_s=rates.rollout.tokens_per_s,
         seq_tokens_per_s=rates.rollout.seq_tokens_per_s,
         learner_step_s=lr.step_overhead_s,
