@@ -96,7 +96,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         png = sweep_plot(
             rows,
             out / "sweep.png",
-            title=f"{rates.setting}\nB={cfg.learner.train_batch_size}, "
+            title=f"{rates.setting}; B={cfg.learner.train_batch_size}, "
             f"n={cfg.rollout.n}, max_tokens={cfg.rollout.max_tokens}",
         )
         print(table)

@@ -9,6 +9,7 @@ the trajectories stream is not built, see docs/PLANNER.md).
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,9 +165,10 @@ def sweep_plot(rows: list[Projection], path: Path, *, title: str) -> Path:
     for eta in sorted({p.max_staleness for p in rows}):
         pts = sorted((p.rollout_gpus / p.learner_gpus, p.sim.samples_per_s) for p in rows if p.max_staleness == eta)
         ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"max_staleness {eta}")
-    ax.set_xlabel("rollout GPUs : learner GPUs")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rollout GPUs : learner GPUs (log scale)")
     ax.set_ylabel("samples/s (simulated)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
