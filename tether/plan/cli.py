@@ -16,8 +16,12 @@ import argparse
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tether.config import ConfigError, load_config
+
+if TYPE_CHECKING:
+    from tether.plan.project import Projection
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -122,7 +126,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _as_json(p) -> dict:  # type: ignore[no-untyped-def]
+def _as_json(p: Projection) -> dict:
     s = p.sim
     return {
         "learner_gpus": p.learner_gpus,
