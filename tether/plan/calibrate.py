@@ -32,6 +32,7 @@ from tether.plan.sim import SimResult, simulate_mean
 from tether.resources import prompt_workers
 
 WARMUP = 1
+SIMULATED_GROUPS = 6000
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,9 @@ def read_run(folder: str | Path) -> tuple[Fleet, Measured, list[float]]:
 
 def calibrate(folder: str | Path, *, seeds: int = 5) -> Calibration:
     fleet, measured, rates = read_run(folder)
-    predicted = simulate_mean(fleet, steps=measured.steps, warmup=WARMUP, seeds=seeds)
+    # A long run is replayed for as many steps as give a steady rate (its figures are whole-run averages).
+    steps = min(measured.steps, WARMUP + max(30, SIMULATED_GROUPS // fleet.train_batch_size))
+    predicted = simulate_mean(fleet, steps=steps, warmup=WARMUP, seeds=seeds)
     return Calibration(fleet=fleet, measured=measured, predicted=predicted, rollout_tokens_per_s=rates)
 
 
