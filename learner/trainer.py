@@ -273,7 +273,8 @@ class Trainer:
         norms = []
         for _ in range(lc.ppo_epochs):
             for mini, plan in zip(minis, plans, strict=True):
-                norms.append(self._update(samples, mini, plan[self.layout.dp_rank], sums, proximal_from_forward=not separate))
+                mine = plan[self.layout.dp_rank]
+                norms.append(self._update(samples, mini, mine, sums, proximal_from_forward=not separate))
         n_updates = len(norms)
         keys = self.metric_keys
         summed = torch.tensor([sums.get(k, 0.0) for k in keys if not k.endswith("_max")], dtype=torch.float64)

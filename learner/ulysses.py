@@ -74,7 +74,8 @@ def register(inner: str) -> str:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     global _INNER
-    _INNER = ALL_ATTENTION_FUNCTIONS[inner] if inner == "flash_attention_2" else varlen_attention.varlen_attention_forward
+    flash = inner == "flash_attention_2"
+    _INNER = ALL_ATTENTION_FUNCTIONS[inner] if flash else varlen_attention.varlen_attention_forward
     AttentionInterface.register(ULYSSES, ulysses_attention_forward)
     return ULYSSES
 
