@@ -167,9 +167,7 @@ class Shard:
     lengths: list[int]  # the padded row's sequence lengths (the padding is a sequence of its own)
 
 
-def shard_row(
-    input_ids: Tensor, logit_index: Tensor, seq_lengths: list[int], layout: Layout, *, pad_id: int
-) -> Shard:
+def shard_row(input_ids: Tensor, logit_index: Tensor, seq_lengths: list[int], layout: Layout, *, pad_id: int) -> Shard:
     """Cut a packed row ``[1, T]`` into ``layout.sp`` contiguous pieces, padded to equal length."""
     total = input_ids.shape[1]
     pad = -total % layout.sp
