@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, row in enumerate(rows):
         sp1, sp2 = row["1"], row["2"]
         gpu = f"  GPU peak {sp1[1] / 2**20:.1f} vs {sp2[1] / 2**20:.1f} MiB" if sp1[1] else ""
-        print(f"repeat {k}: saved activations per rank SP=1 {sp1[0] / 2**20:.1f} MiB, SP=2 {sp2[0] / 2**20:.1f} MiB{gpu}")
+        saved = f"SP=1 {sp1[0] / 2**20:.1f} MiB, SP=2 {sp2[0] / 2**20:.1f} MiB"
+        print(f"repeat {k}: saved activations per rank {saved}{gpu}")
     report(
         figure(
             "ulysses/activation_memory_sp1_over_sp2",
