@@ -16,7 +16,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from learner import ulysses, varlen_attention
+from learner import lora, ulysses, varlen_attention
 from tether.config import TetherConfig
 from tether.logs import get_logger
 
@@ -76,6 +76,12 @@ def load_model(cfg: TetherConfig, device: torch.device) -> torch.nn.Module:
     )
     model.config.use_cache = False
     return model
+
+
+def load_actor(cfg: TetherConfig, device: torch.device) -> torch.nn.Module:
+    """The policy: :func:`load_model`, wrapped with fresh LoRA adapters when ``model.lora`` is set."""
+    model = load_model(cfg, device)
+    return lora.apply_lora(model, cfg.model.lora) if cfg.model.lora is not None else model
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
