@@ -75,6 +75,7 @@ def save_checkpoint(folder: Path, *, model, optimizer, scheduler, state: TrainSt
     path = Path(folder) / f"step_{state.step}"
     rank = dist.get_rank()
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
+    model_sd = _trainable(model, model_sd)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
     (path / f"rng_rank{rank}.json").write_text(json.dumps(rng_state()))
     dist.barrier()
@@ -97,7 +98,7 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler) -> TrainState:
     """Collective: restore model, optimizer, scheduler and this rank's RNG; returns the trainer state."""
     options = _options(model)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-    sd = {"model": model_sd, "optim": optim_sd}
+    sd = {"model": _trainable(model, model_sd), "optim": optim_sd}
     dcp.load(sd, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
     body = json.loads((path / STATE_FILE).read_text())
@@ -111,7 +112,17 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler) -> TrainState:
 
 def _options(model) -> StateDictOptions | None:
     # LoRA: the frozen base weights are model.path's; a checkpoint holds the adapters and their optimizer.
-    return StateDictOptions(ignore_frozen_params=True) if lora.is_lora(model) else None
+    # Loading is then not strict about the base keys it leaves alone; dcp.load itself still fails when
+    # the checkpoint lacks an adapter key.
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if lora.is_lora(model) else None
+
+
+def _trainable(model, model_sd: dict) -> dict:
+    """LoRA: the adapters alone (``ignore_frozen_params`` keeps a frozen weight tied under a second name)."""
+    if not lora.is_lora(model):
+        return model_sd
+    keep = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k in keep}
 
 
 def export_hf(model, *, out_dir: Path, source_dir: str) -> None:
