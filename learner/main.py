@@ -29,7 +29,8 @@ from learner.checkpoint import TrainState, export_hf, latest_checkpoint, load_ch
 from learner.feed import DataTimeout, Feed
 from learner.group_trace import GroupTrace
 from learner.lifecycle import StopSignal, plan_resume_version
-from learner.parallelize import load_model, parallelize
+from learner.lora import adapter_params, is_lora
+from learner.parallelize import load_actor, load_model, parallelize
 from learner.telemetry import LiveStatus, StepProfiler, nvtx, peak_flops, train_flops
 from learner.trainer import Trainer
 from tether.config import TetherConfig
@@ -90,7 +91,7 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
     if rank == 0:
         paths.make()
     seed_everything(cfg.run.seed)
-    model = parallelize(load_model(cfg, device), cfg, device)
+    model = parallelize(load_actor(cfg, device), cfg, device)
     ref = parallelize(load_model(cfg, device), cfg, device, trainable=False) if cfg.algorithm.use_kl_loss else None
     trainer = Trainer(cfg, model, device=device, ref_model=ref)
     state = TrainState()
@@ -130,7 +131,8 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
         trace = GroupTrace(paths.root / "groups.jsonl")
     state.version, republish = _agree_version(state.version, republish, device)
     registry = ServerRegistry(client, feed.keys) if rank == 0 else None
-    sender = WeightSender(cfg, model=model, rank=rank, world_size=world, registry=registry)
+    params = adapter_params(model) if is_lora(model) else None  # LoRA: updates carry the adapters only
+    sender = WeightSender(cfg, model=model, params=params, rank=rank, world_size=world, registry=registry)
     if republish:  # before any prompt is fed: every server generates from the checkpoint's weights
         sender.publish(state.version, snapshot=True)
     if rank == 0 and (republish or read_version(client, feed.keys) < state.version):
