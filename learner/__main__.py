@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node N -m learner --config runs/<run>/config.yaml [--resume] [--learner.lr 1e-6 ...]
 
-``tether learner`` and ``tether up`` build this command (``tether.launcher.learner_command``).
+``tether learner`` and ``tether up`` build this command (``tether.commands.launcher.learner_command``).
 """
 
 from __future__ import annotations

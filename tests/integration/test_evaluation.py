@@ -22,7 +22,7 @@ from rollout_server.launch import ServerProcess, spawn_server
 from tether.config import load_config
 from tether.metrics import JsonlMetrics, MetricsLogger, read_metrics
 from tether.redis_server import free_port
-from tether.status import show_status
+from tether.commands.status import show_status
 
 pytestmark = pytest.mark.slow
 N_PROMPTS, K = 6, 3

@@ -14,7 +14,7 @@ import yaml
 
 from buffer import BufferedGroup
 from learner.group_trace import GroupTrace
-from tether.cli import main
+from tether.commands.cli import main
 from tether.config import ConfigError, load_config
 from tether.plan.calibrate import _busy_seconds, read_run
 from tether.plan.fleet import Fleet, Lengths

@@ -122,7 +122,7 @@ def cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
         args.config = args.config or str(folder / "config.yaml")
         overrides = ["--run.run_id", folder.name, "--run.output_dir", str(folder.parent), *overrides]
     cfg = _load(args, overrides)
-    from tether.launcher import up
+    from tether.commands.launcher import up
 
     return up(cfg, resume=bool(args.resume))
 
@@ -130,7 +130,7 @@ def cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load(args, overrides)
     _require_run_id(cfg)
-    from tether.launcher import check_redis, learner_command
+    from tether.commands.launcher import check_redis, learner_command
 
     if args.node_rank == 0:  # rank 0 is the one that talks to Redis
         check_redis(cfg)
@@ -154,7 +154,7 @@ def cmd_rollout(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load(args, overrides)
     _require_run_id(cfg)
     _split_threads(cfg, "rollout")  # before torch is imported: it reads OMP_NUM_THREADS once
-    from tether.launcher import check_redis
+    from tether.commands.launcher import check_redis
 
     try:  # a server may start before Redis does: say so, then keep retrying as it always does
         check_redis(cfg)
@@ -178,7 +178,7 @@ def _split_threads(cfg: TetherConfig, role: str) -> None:
 def cmd_status(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load(args, overrides)
     _require_run_id(cfg)
-    from tether.status import show_status
+    from tether.commands.status import show_status
 
     return show_status(cfg, watch=args.watch)
 
