@@ -1,4 +1,4 @@
-"""Pure logic of the buffer: admission arithmetic, staleness, payload encoding, compression, the wire codec."""
+"""Pure logic of the buffer's serialization: payload encoding, compression, the wire codec."""
 
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ import pytest
 from buffer.codec import (
     CODEC_PROTOBUF,
     CODEC_PROTOBUF_ZLIB,
-    admission_allowance,
     decode_payload,
     encode_payload,
     read_header,
-    staleness_of,
 )
 from buffer.wire import decode_group_fast, encode_group_fast
 from tether.trajectory import (
@@ -53,33 +51,6 @@ def make_group(*, tokens: int = 16, g: int = 4, version: int = 2, rich: bool = F
             )
         )
     return GroupData(group_id=f"group-{seed}", trajectories=trajs, prompt_id="1-0", metadata={"k": "v"} if rich else {})
-
-
-# -- admission -------------------------------------------------------------------------------------------
-def test_admission_synchronous_issues_one_version_at_a_time() -> None:
-    assert admission_allowance(0, version=0, prompts_per_version=8, max_staleness=0) == 8
-    assert admission_allowance(8, version=0, prompts_per_version=8, max_staleness=0) == 0
-    assert admission_allowance(8, version=1, prompts_per_version=8, max_staleness=0) == 8
-
-
-def test_admission_runs_ahead_by_max_staleness_versions() -> None:
-    assert admission_allowance(0, version=0, prompts_per_version=4, max_staleness=2) == 12
-    assert admission_allowance(10, version=3, prompts_per_version=4, max_staleness=2) == 14
-    assert admission_allowance(100, version=1, prompts_per_version=4, max_staleness=1) == 0  # never negative
-
-
-@pytest.mark.parametrize("kwargs", [{"prompts_per_version": 0}, {"max_staleness": -1}, {"version": -1}])
-def test_admission_rejects_nonsense(kwargs: dict) -> None:
-    args = {"version": 0, "prompts_per_version": 4, "max_staleness": 1} | kwargs
-    with pytest.raises(ValueError):
-        admission_allowance(0, **args)
-
-
-def test_staleness_of() -> None:
-    assert staleness_of(3, 5) == 2
-    assert staleness_of(5, 5) == 0
-    assert staleness_of(7, 5) == 0  # tagged with a version the learner has not reached: fresh
-    assert staleness_of(-1, 5) == 0  # a group without completion tokens
 
 
 # -- the wire codec ---------------------------------------------------------------------------------------
