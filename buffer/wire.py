@@ -58,6 +58,11 @@ class _Fallback(Exception):
 def _varint(n: int) -> bytes:
     if n < 0x80:
         return _ONE_BYTE[n]
+    # Array lengths of 128 B .. 2 MB (every per-token field of a real completion): no loop, no bytearray.
+    if n < 0x4000:
+        return bytes((n & 0x7F | 0x80, n >> 7))
+    if n < 0x200000:
+        return bytes((n & 0x7F | 0x80, n >> 7 & 0x7F | 0x80, n >> 14))
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
@@ -68,7 +73,8 @@ def _varint(n: int) -> bytes:
 
 def _wire_array(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``arr`` itself when it already is the wire layout (the usual case), else a converted copy."""
-    if type(arr) is np.ndarray and arr.dtype == dtype and arr.flags.c_contiguous:
+    # ``is`` first: numpy hands out one dtype instance per builtin type, and ``==`` costs ~10x more.
+    if type(arr) is np.ndarray and (arr.dtype is dtype or arr.dtype == dtype) and arr.flags.c_contiguous:
         return arr
     return np.ascontiguousarray(np.asarray(arr), dtype=dtype)
 
@@ -81,18 +87,17 @@ def _encode_trajectory(t: TrajectoryData, arrays: list[np.ndarray], group_field:
     for tag, arr in zip(_ARRAY_TAGS, arrays, strict=True):
         if n := arr.nbytes:
             field = tag + _varint(n)
-            body.append(field)
-            body.append(arr)  # joined straight from the array's buffer: no copy until the final join
+            body += (field, arr)  # joined straight from the array's buffer: no copy until the final join
             size += len(field) + n
-    tail = b""
-    if t.reward:
-        tail += b"\x41" + _DOUBLE.pack(float(t.reward))
+    tail = b"\x41" + _DOUBLE.pack(float(t.reward)) if t.reward else b""
     if t.finish_reason:
         tail += b"\x50" + _varint(int(t.finish_reason))
-    for tag, value in ((b"\x5a", t.server_id), (b"\x7a", t.logprob_source)):
-        if value:
-            raw = value.encode()
-            tail += tag + _varint(len(raw)) + raw
+    if t.server_id:
+        raw = t.server_id.encode()
+        tail += b"\x5a" + _varint(len(raw)) + raw
+    if t.logprob_source:
+        raw = t.logprob_source.encode()
+        tail += b"\x7a" + _varint(len(raw)) + raw
     if t.reward_components or t.metadata or t.started_at or t.finished_at:
         rare = pb.Trajectory(reward_components=t.reward_components, metadata=t.metadata)
         if t.started_at:
@@ -100,10 +105,7 @@ def _encode_trajectory(t: TrajectoryData, arrays: list[np.ndarray], group_field:
         if t.finished_at:
             rare.finished_at.FromNanoseconds(int(t.finished_at * 1e9))
         tail += rare.SerializeToString()  # fields may come in any order on the wire
-    body.append(tail)
-    size += len(tail)
-    parts.append(b"\x1a" + _varint(size))
-    parts.extend(body)
+    parts += (b"\x1a" + _varint(size + len(tail)), *body, tail)
 
 
 def encode_group_checked(g: GroupData) -> tuple[bytes, int, int]:
@@ -173,10 +175,13 @@ def _decode_trajectory(data: bytes, pos: int, end: int) -> TrajectoryData:
             if pos >= end:
                 raise _Fallback
             n = data[pos]
-            if n & 0x80:
-                n, pos = _read_varint(data, pos, end)
-            else:
+            if not n & 0x80:
                 pos += 1
+            elif pos + 1 < end and not data[pos + 1] & 0x80:  # 128 B .. 16 KB: most per-token arrays
+                n = (n & 0x7F) | data[pos + 1] << 7
+                pos += 2
+            else:
+                n, pos = _read_varint(data, pos, end)
             stop = pos + n
             if stop > end:
                 raise _Fallback
