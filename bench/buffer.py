@@ -6,8 +6,11 @@ For groups of G=8 completions of 1K, 4K and 16K tokens (int32 ids, float32 log-p
 uint8 masks — what a rollout server writes), it times put → read → ack through ``buffer`` (including
 protobuf encode and decode) and then XADD / XREADGROUP / XACK of the already-encoded bytes with plain
 redis-py, in the same pattern: a learner batch of 8 groups is put one by one, read in one call and
-acknowledged in one call. It prints groups/s, MB/s, the ratio buffer/raw (goal ≥ 0.8) and the
-serialization cost per group. Without ``--redis-url`` it starts an embedded redis-server.
+acknowledged in one call. It prints groups/s, MB/s, the ratio buffer/raw (goal ≥ 0.8), the
+serialization cost per group and the ``codec ceiling``: raw's time per group over raw's time plus one
+encode and one decode, the ratio the buffer would reach if every Redis command of its own cost nothing
+more than raw's — what the goal leaves for the codec. Without ``--redis-url`` it starts an embedded
+redis-server.
 
 The baseline is what a user without tether would write: the same stream commands on bytes already
 encoded, so the ratio charges tether for its encode/decode, its idempotency key, its group-atomic
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"redis {version}, G={G}, batch {BATCH} groups, compression {args.compression}, repeats {repeats}")
             header = (
                 f"{'tokens':>6} {'MB/group':>8} {'buffer g/s':>10} {'raw g/s':>9} {'buffer MB/s':>11} "
-                f"{'raw MB/s':>9} {'ratio':>6} {'encode µs':>10} {'decode µs':>10}"
+                f"{'raw MB/s':>9} {'ratio':>6} {'encode µs':>10} {'decode µs':>10} {'codec ceiling':>13}"
             )
             print(header)
             print("-" * len(header))
@@ -171,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                         else:
                             buf_s.append(run_buffer(client, groups, cfg))
                 b, r = statistics.median(buf_s), statistics.median(raw_s)
+                raw_us = r / n * 1e6
                 figures.append(
                     figure(
                         f"buffer/{tokens // 1024}K_tokens",
@@ -182,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print(
                     f"{tokens:>6} {nbytes / 2**20:>8.2f} {n / b:>10.1f} {n / r:>9.1f} {raw_bytes / 2**20 / b:>11.1f} "
-                    f"{raw_bytes / 2**20 / r:>9.1f} {r / b:>6.2f} {enc_us:>10.0f} {dec_us:>10.0f}"
+                    f"{raw_bytes / 2**20 / r:>9.1f} {r / b:>6.2f} {enc_us:>10.0f} {dec_us:>10.0f} "
+                    f"{raw_us / (raw_us + enc_us + dec_us):>13.2f}"
                 )
             client.close()
         finally:
