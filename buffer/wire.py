@@ -9,8 +9,11 @@ one, and :func:`tether.trajectory.validate` costs ~5 numpy calls per trajectory.
 out numpy views into the payload (no copy), and both validate the whole group at once
 (:func:`tether.trajectory.validate_group`: the same checks and error messages, a handful of numpy calls).
 
-Only the hot fields are handled by hand; the rare ones (maps, timestamps) are encoded and decoded by
-the generated classes, and anything unexpected on the wire (an unknown field, a wire type that does not
+Every field a rollout server writes is encoded by hand (maps and timestamps too: each sample carries its
+sampling temperature and its start and finish times, and building a generated message for those cost
+more than the rest of the trajectory); a value of an unexpected type goes to the generated classes. On
+the way out the rare fields (maps, timestamps) are parsed by the generated parser, which is as fast for
+them, and anything unexpected on the wire (an unknown field, a wire type that does not
 match) falls back to :func:`tether.trajectory.decode_group`, so this module is never more permissive
 than the generated parser. ``tests/unit/test_buffer_codec.py`` compares both paths message for message.
 """
@@ -44,7 +47,8 @@ _ARRAYS = (  # (field number, attribute, dtype) of the per-token byte fields, in
 _ARRAY_TAGS = tuple(bytes((num << 3 | 2,)) for num, _, _ in _ARRAYS)
 _BY_FIELD = {f: (name, dtype, dtype.itemsize) for f, name, dtype in _ARRAYS}
 _STRINGS = {1: "id", 2: "group_id", 11: "server_id", 15: "logprob_source"}
-_RARE = frozenset((9, 12, 13, 14))  # reward_components, metadata, started_at, finished_at
+_RARE = frozenset((9, 12, 13, 14))  # reward_components, started_at, finished_at, metadata: decoded by upb
+_MAX_TIMESTAMP_S = 253_402_300_800  # 10000-01-01: google.protobuf.Timestamp's range ends before it
 _DOUBLE = struct.Struct("<d")
 _ONE_BYTE = [bytes((i,)) for i in range(128)]
 # proto3 defaults, not TrajectoryData's (which would invent an id and say "raw" for a missing source).
@@ -79,6 +83,51 @@ def _wire_array(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(arr), dtype=dtype)
 
 
+def _map_entry(tag: bytes, key: str, value: bytes) -> bytes:
+    """One entry of a ``map<string, …>`` field; ``value`` is the entry's field 2, tag included."""
+    kb = key.encode()
+    entry = b"\x0a" + _varint(len(kb)) + kb + value
+    return tag + _varint(len(entry)) + entry
+
+
+def _string_map(tag: bytes, items: dict[str, str]) -> bytes:
+    out = b""
+    for k, v in items.items():
+        vb = v.encode()
+        out += _map_entry(tag, k, b"\x12" + _varint(len(vb)) + vb)
+    return out
+
+
+def _timestamp(tag: bytes, when: float) -> bytes:
+    seconds, nanos = divmod(int(when * 1e9), 1_000_000_000)  # what Timestamp.FromNanoseconds stores
+    if not 0 <= seconds < _MAX_TIMESTAMP_S:
+        raise _Fallback  # before 1970 or past 9999: the generated classes decide (and refuse)
+    body = (b"\x08" + _varint(seconds) if seconds else b"") + (b"\x10" + _varint(nanos) if nanos else b"")
+    return tag + _varint(len(body)) + body
+
+
+def _rare_fields(t: TrajectoryData) -> bytes:
+    """reward_components, started_at, finished_at and metadata, by hand: the generated classes cost more
+    than the rest of a trajectory's encoding. Anything unusual (a non-string key, a value of the wrong
+    type, a timestamp out of range) goes to the generated classes, which encode it or raise their error."""
+    try:
+        out = b""
+        for k, v in t.reward_components.items():
+            out += _map_entry(b"\x4a", k, b"\x11" + _DOUBLE.pack(v))
+        if t.started_at:
+            out += _timestamp(b"\x62", t.started_at)
+        if t.finished_at:
+            out += _timestamp(b"\x6a", t.finished_at)
+        return out + _string_map(b"\x72", t.metadata)
+    except (_Fallback, AttributeError, TypeError, ValueError, OverflowError, struct.error):
+        rare = pb.Trajectory(reward_components=t.reward_components, metadata=t.metadata)
+        if t.started_at:
+            rare.started_at.FromNanoseconds(int(t.started_at * 1e9))
+        if t.finished_at:
+            rare.finished_at.FromNanoseconds(int(t.finished_at * 1e9))
+        return rare.SerializeToString()
+
+
 def _encode_trajectory(t: TrajectoryData, arrays: list[np.ndarray], group_field: bytes, parts: list) -> None:
     tid = t.id.encode()  # never empty: validate_group has run
     head = b"\x0a" + _varint(len(tid)) + tid + group_field
@@ -98,13 +147,8 @@ def _encode_trajectory(t: TrajectoryData, arrays: list[np.ndarray], group_field:
     if t.logprob_source:
         raw = t.logprob_source.encode()
         tail += b"\x7a" + _varint(len(raw)) + raw
-    if t.reward_components or t.metadata or t.started_at or t.finished_at:
-        rare = pb.Trajectory(reward_components=t.reward_components, metadata=t.metadata)
-        if t.started_at:
-            rare.started_at.FromNanoseconds(int(t.started_at * 1e9))
-        if t.finished_at:
-            rare.finished_at.FromNanoseconds(int(t.finished_at * 1e9))
-        tail += rare.SerializeToString()  # fields may come in any order on the wire
+    if t.reward_components or t.metadata or t.started_at or t.finished_at:  # every rollout server's sample
+        tail += _rare_fields(t)  # fields may come in any order on the wire
     parts += (b"\x1a" + _varint(size + len(tail)), *body, tail)
 
 
@@ -136,7 +180,10 @@ def encode_group_checked(g: GroupData) -> tuple[bytes, int, int]:
             _encode_trajectory(t, wire, b"\x12" + _varint(len(own)) + own, parts)
         tokens += wire[1].shape[0]
     if g.metadata:
-        parts.append(pb.TrajectoryGroup(metadata=g.metadata).SerializeToString())
+        try:
+            parts.append(_string_map(b"\x22", g.metadata))
+        except (AttributeError, TypeError, ValueError):  # not str -> str: the generated classes say why
+            parts.append(pb.TrajectoryGroup(metadata=g.metadata).SerializeToString())
     return b"".join(parts), oldest, tokens
 
 

@@ -86,6 +86,44 @@ def test_fast_decoding_matches_the_generated_decoder(rich: bool) -> None:
             assert getattr(a, name) == getattr(b, name), name
 
 
+@pytest.mark.parametrize(
+    "rare",
+    [
+        {"metadata": {"": "", "temperature": "0.7", "ünï": "cödé ✓"}, "reward_components": {"int": 2, "neg": -0.5}},
+        {"started_at": 1.5e-9, "finished_at": 1763900003.000000001},  # nanos only; seconds with rounding
+        {"started_at": -86400.25},  # before 1970: left to the generated classes both ways
+        {"started_at": 1e12},  # past year 9999: the generated classes' call
+    ],
+)
+def test_maps_and_timestamps_match_the_generated_codec(rare: dict) -> None:
+    group = make_group(seed=5)
+    group.metadata = {"dataset_index": "7", "": "empty key"}
+    for t in group.trajectories:
+        for name, value in rare.items():
+            setattr(t, name, value)
+    try:
+        generated = encode_group(group)
+    except ValueError:  # a timestamp protobuf refuses: the fast encoder must refuse it too
+        with pytest.raises(ValueError):
+            encode_group_fast(group)
+        return
+    assert pb.TrajectoryGroup.FromString(encode_group_fast(group)) == pb.TrajectoryGroup.FromString(generated)
+    fast, ref = decode_group_fast(generated), decode_group(generated)
+    assert fast.metadata == ref.metadata
+    for a, b in zip(fast.trajectories, ref.trajectories, strict=True):
+        for name in ("metadata", "reward_components", "started_at", "finished_at"):
+            assert getattr(a, name) == getattr(b, name), name
+
+
+def test_fast_encoder_leaves_wrong_types_to_the_generated_classes() -> None:
+    group = make_group()
+    group.trajectories[1].metadata = {"turns": 3}  # not a string
+    with pytest.raises(TypeError):
+        encode_group(group)
+    with pytest.raises(TypeError):
+        encode_group_fast(group)
+
+
 def test_fast_decoder_defers_to_the_generated_parser_on_unknown_fields() -> None:
     msg = pb.TrajectoryGroup.FromString(encode_group(make_group()))
     data = msg.SerializeToString() + b"\xa2\x06\x03abc"  # field 100, length-delimited: unknown, legal
