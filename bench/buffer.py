@@ -3,7 +3,8 @@
     python bench/buffer.py [--quick] [--redis-url URL] [--compression none|zlib]
 
 For groups of G=8 completions of 1K, 4K and 16K tokens (int32 ids, float32 log-probs, int32 versions,
-uint8 masks — what a rollout server writes), it times put → read → ack through ``buffer`` (including
+uint8 masks, the sampling temperature and timestamps — what a rollout server writes, built by its own
+``rollout_server.trajectories.build_trajectory``), it times put → read → ack through ``buffer`` (including
 protobuf encode and decode) and then XADD / XREADGROUP / XACK of the already-encoded bytes with plain
 redis-py, in the same pattern: a learner batch of 8 groups is put one by one, read in one call and
 acknowledged in one call. It prints groups/s, MB/s, the ratio buffer/raw (goal ≥ 0.8), the
@@ -36,9 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a sc
 from bench.common import figure, ordered, report
 from buffer import RedisKeys, TrajectoryReader, TrajectoryWriter, encode_payload
 from buffer.codec import decode_payload
+from rollout_server.trajectories import build_trajectory
 from tether.config.buffer import BufferConfig
 from tether.redis_server import EmbeddedRedis, connect_redis
-from tether.trajectory import GroupData, TrajectoryData
+from tether.trajectory import LOGPROB_PROCESSED, GroupData
+from tether.v1.trajectory_pb2 import FINISH_REASON_STOP
 
 G = 8
 BATCH = 8
@@ -47,24 +50,34 @@ VOCAB = 151_936
 
 
 def make_group(tokens: int, rng: np.random.Generator, *, version: int = 3) -> GroupData:
+    """A group as a rollout server writes it: built by its own trajectory builder (sampling temperature in
+    the metadata, start and finish times), group metadata as the prompt worker sets it."""
     trajs = []
-    for _ in range(G):
+    gid = uuid.uuid4().hex
+    for i in range(G):
         versions = np.full(tokens, version, dtype=np.int32)
         versions[: tokens // 3] = version - 1  # a weight update landed mid-generation
         mask = np.ones(tokens, dtype=np.uint8)
         mask[tokens // 2 : tokens // 2 + tokens // 16] = 0  # an environment turn inside the completion
         trajs.append(
-            TrajectoryData(
-                prompt_token_ids=rng.integers(0, VOCAB, PROMPT_TOKENS, dtype=np.int32),
-                completion_token_ids=rng.integers(0, VOCAB, tokens, dtype=np.int32),
-                behavior_logprobs=np.log(rng.random(tokens, dtype=np.float32) + 1e-6),
-                policy_versions=versions,
+            build_trajectory(
+                trajectory_id=f"{gid}-{i}",
+                group_id=gid,
+                prompt_ids=rng.integers(0, VOCAB, PROMPT_TOKENS, dtype=np.int32),
+                token_ids=rng.integers(0, VOCAB, tokens, dtype=np.int32),
+                logprobs=np.log(rng.random(tokens, dtype=np.float32) + 1e-6),
+                versions=versions,
                 loss_mask=mask,
-                reward=float(rng.random()),
+                finish_reason=FINISH_REASON_STOP,
                 server_id="rollout-0",
+                logprob_source=LOGPROB_PROCESSED,
+                temperature=1.0,
+                started_at=time.time(),
+                reward=float(rng.random()),
             )
         )
-    return GroupData(group_id=uuid.uuid4().hex, trajectories=trajs, prompt_id="0-1")
+    return GroupData(group_id=gid, trajectories=trajs, prompt_id="0-1",
+                     metadata={"dataset_index": "0", "issued_at_version": str(version)})  # fmt: skip
 
 
 def time_serialization(group: GroupData, cfg: BufferConfig, reps: int) -> tuple[float, float, int]:
