@@ -23,6 +23,7 @@ from __future__ import annotations
 import struct
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from tether.trajectory import (
     LOGPROB_DTYPE,
@@ -268,7 +269,8 @@ def decode_group_checked(data: bytes) -> tuple[GroupData, int]:
     """``(group, oldest policy version)``, validated; see :func:`decode_group_fast`."""
     try:
         return _decode_group(data)
-    except (_Fallback, UnicodeDecodeError, struct.error, IndexError):
+    # DecodeError: a corrupt map or timestamp, met by the generated parser of the rare fields.
+    except (_Fallback, UnicodeDecodeError, struct.error, IndexError, DecodeError):
         group = decode_group(data)  # the generated parser: same checks, its own error messages
         return group, group.oldest_version
 

@@ -115,6 +115,17 @@ def test_maps_and_timestamps_match_the_generated_codec(rare: dict) -> None:
             assert getattr(a, name) == getattr(b, name), name
 
 
+def test_a_corrupt_map_entry_is_an_invalid_trajectory() -> None:
+    """A metadata entry whose key runs past its end: the fast decoder's rare-field parser must not leak
+    protobuf's DecodeError (the reader dead-letters InvalidTrajectory; anything else would stop it)."""
+    group = pb.TrajectoryGroup.FromString(encode_group(make_group(g=1)))
+    body = group.trajectories[0].SerializeToString() + b"\x72\x03\x0a\x7f\x00"  # metadata: key of 127 B in 3
+    data = b"\x0a\x07group-0" + b"\x1a" + bytes([len(body) & 0x7F | 0x80, len(body) >> 7]) + body
+    assert 128 <= len(body) < 1 << 14  # the two-byte length above
+    with pytest.raises(InvalidTrajectory):
+        decode_group_fast(data)
+
+
 def test_fast_encoder_leaves_wrong_types_to_the_generated_classes() -> None:
     group = make_group()
     group.trajectories[1].metadata = {"turns": 3}  # not a string
