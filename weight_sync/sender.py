@@ -86,7 +86,7 @@ class WeightSender:
             self.pool = BufferPool(capacity, self.transport.device)
             # One token for both sides: the servers require rollout.auth_token, else TETHER_AUTH_TOKEN,
             # so the learner resolves it with the servers' own function rather than a second setting.
-            from rollout_server.server import auth_token
+            from tether.auth import auth_token
 
             self.clients = ControlClients(token=auth_token(cfg.rollout.auth_token) or None)
 
