@@ -1,17 +1,12 @@
-"""The rollout server's one trajectory builder, and the library packages' imports pointing downward."""
+"""The rollout server's one trajectory builder (the import layering is tests/unit/test_layering.py)."""
 
 from __future__ import annotations
-
-import ast
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from rollout_server.trajectories import build_trajectory
 from tether.trajectory import TEMPERATURE_KEY, GroupData, decode_group, encode_group, validate
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("mask", [None, [1, 0, 1]])
@@ -33,23 +28,3 @@ def test_build_trajectory_fills_the_contract(mask: list[int] | None) -> None:
     assert t.finished_at >= t.started_at == 10.0 and t.reward == 0.5 and t.reward_components == {"a": 1.0}
     back = decode_group(encode_group(GroupData("g", [t]))).trajectories[0]
     assert back.behavior_logprobs.tolist() == [-0.5, -1.0, -0.25]
-
-
-def _imports(path: Path) -> set[str]:
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            out.add(node.module.split(".")[0])
-    return out
-
-
-@pytest.mark.parametrize("library", ["buffer", "weight_sync"])
-def test_libraries_never_import_a_process_package(library: str) -> None:
-    """Layers import downward (STYLE.md 16): ``buffer`` and ``weight_sync`` know nothing of the processes."""
-    bad = {
-        str(p.relative_to(ROOT)): sorted(_imports(p) & {"learner", "rollout_server"})
-        for p in sorted((ROOT / library).rglob("*.py"))
-    }
-    assert {k: v for k, v in bad.items() if v} == {}
