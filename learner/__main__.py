@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     if val and not val.startswith("demo:"):
         from pathlib import Path
 
-        if not Path(val).is_file():
-            print(f"learner: learner.val_data_path: {val} does not exist (a JSONL file or demo:TASK)", file=sys.stderr)
+        if not Path(val).exists():
+            print(f"learner: learner.val_data_path: {val} does not exist (a dataset file or folder, or demo:TASK)",
+                  file=sys.stderr)  # fmt: skip
             return 2
     from learner.main import run
 

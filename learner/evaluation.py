@@ -35,6 +35,7 @@ from tether.v1.trajectory_pb2 import Prompt
 log = get_logger(__name__)
 
 DEMO_VAL_PROMPTS = 128
+PER_SOURCE = ("val/reward_mean", "val/mean@k", "val/pass@k", "val/pass@1", "val/best@k", "val/prompts", "val/missing")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -104,7 +105,7 @@ def summarize_by_source(results: list[ValResult], prompts: list[Prompt], *, k: i
     for source in sorted({s for s in sources if s is not None}):
         mine = [r for r in results if 0 <= r.index < len(sources) and sources[r.index] == source]
         part = summarize(mine, k=k, expected=sources.count(source))
-        out.update({f"val/{source}/{key.split('/', 1)[1]}": v for key, v in part.items() if key != "val/k"})
+        out.update({f"val/{source}/{key[4:]}": part[key] for key in PER_SOURCE if key in part})
     return out
 
 

@@ -172,7 +172,7 @@ class LearnerConfig(Section):
     def _evaluation(self) -> LearnerConfig:
         if (self.test_freq or self.val_before_train) and not self.val_data_path:
             raise ValueError("val_data_path is empty but test_freq/val_before_train ask for evaluation — set "
-                             "learner.val_data_path (a JSONL file or demo:TASK)")  # fmt: skip
+                             "learner.val_data_path (a dataset file or folder, or demo:TASK)")  # fmt: skip
         if self.val_data_path.startswith("demo:"):
             from tether.tasks import DEMO_TASKS
 

@@ -1,0 +1,99 @@
+"""Peak memory of the learner's prompt source on a 1M-row parquet file against a 10K-row one.
+
+    python bench/dataset_stream.py [--rows 1000000] [--small 10000] [--repeats 3] [--row-group 0]
+
+Both files are verl's row layout (chat-message ``prompt``, ``reward_model.ground_truth``, …) written
+with pyarrow; ``--row-group 0`` writes each file as one row group, as ``datasets``' ``to_parquet`` and
+pandas do for files of this size — the hard case for streaming. Each measurement is a fresh process
+that does what learner rank 0 does at start and over a run: open the file, collect its data sources (the
+scorer check), pull 5,000 prompts (chat template applied), then resume near the end of the file and pull
+across the epoch boundary — and prints its peak RSS. The figure is peak(large) / peak(small), the order
+alternating per repeat; the baseline is the same source on the small file, which any loader holds whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import figure, ordered, report
+
+CHILD = """
+import itertools, json, resource, sys
+from learner.data import PromptSource
+from tether.config import TetherConfig
+path, model, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
+cfg = TetherConfig.model_validate({"model": {"path": model}, "learner": {"data_path": path},
+                                   "rollout": {"reward": {"type": "data_source"}}})
+first = list(itertools.islice(PromptSource(cfg), 5000))
+resumed = PromptSource(cfg, start=rows - 100)
+tail = list(itertools.islice(resumed, 300))
+assert tail[100].text == first[0].text and resumed.position == rows + 200
+print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def write_verl_parquet(path: Path, rows: int, *, row_group: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    chunk = 100_000
+    writer = None
+    for lo in range(0, rows, chunk):
+        idx = range(lo, min(rows, lo + chunk))
+        table = pa.table({
+            "data_source": ["openai/gsm8k"] * len(idx),
+            "prompt": [[{"role": "user", "content": f"Natalia sold {i} clips in April and half as many in May. "
+                         "How many clips did she sell altogether? Let's think step by step."}] for i in idx],
+            "ability": ["math"] * len(idx),
+            "reward_model": [{"style": "rule", "ground_truth": str(i + i // 2)} for i in idx],
+            "extra_info": [{"split": "train", "index": i} for i in idx],
+        })  # fmt: skip
+        if writer is None:
+            writer = pq.ParquetWriter(path, table.schema)
+        writer.write_table(table, row_group_size=row_group or rows)
+    writer.close()
+
+
+def peak_mb(path: Path, model: Path, rows: int) -> float:
+    out = subprocess.run([sys.executable, "-c", CHILD, str(path), str(model), str(rows)], capture_output=True,
+                         text=True, check=True, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--small", type=int, default=10_000)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--row-group", type=int, default=0, help="rows per row group; 0: one row group per file")
+    args = p.parse_args(argv)
+    from tether.tiny_model import make_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny_model(Path(tmp) / "model", hidden=64, layers=1, heads=2)
+        files = {}
+        for n in (args.small, args.rows):
+            files[n] = Path(tmp) / f"{n}.parquet"
+            write_verl_parquet(files[n], n, row_group=args.row_group)
+            print(f"{n} rows: {files[n].stat().st_size / 2**20:.1f} MiB on disk", flush=True)
+        ratios = []
+        for k in range(args.repeats):
+            peaks = {n: peak_mb(files[n], model, n) for n in ordered([args.rows, args.small], k)}
+            ratios.append(peaks[args.rows] / peaks[args.small])
+            print(f"repeat {k}: peak RSS {args.rows} rows {peaks[args.rows]:.0f} MB, {args.small} rows "
+                  f"{peaks[args.small]:.0f} MB", flush=True)  # fmt: skip
+    groups = f"row groups of {args.row_group}" if args.row_group else "one row group per file"
+    report(figure(f"dataset_stream/peak_rss_{args.rows}_vs_{args.small}_rows", ratios, goal=1.1, direction="max",
+                  baseline=f"the same prompt source on a {args.small}-row file ({groups})"))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
