@@ -5,10 +5,12 @@
 Both files are verl's row layout (chat-message ``prompt``, ``reward_model.ground_truth``, …) written
 with pyarrow; ``--row-group 0`` writes each file as one row group, as ``datasets``' ``to_parquet`` and
 pandas do for files of this size — the hard case for streaming. Each measurement is a fresh process
-that does what learner rank 0 does at start and over a run: open the file, collect its data sources (the
-scorer check), pull 5,000 prompts (chat template applied), then resume near the end of the file and pull
-across the epoch boundary — and prints its peak RSS. The figure is peak(large) / peak(small), the order
-alternating per repeat; the baseline is the same source on the small file, which any loader holds whole.
+that does what learner rank 0 does at start and over a run: open the file, collect its data sources
+(the scorer check), pull 5,000 prompts (chat template applied), then resume near the end of the file and
+pull across the epoch boundary. It prints its peak RSS — reset (``/proc/self/clear_refs``) once torch and
+transformers are loaded, so their import peak does not hide the data's — and the growth above that. The
+figure is peak(large) / peak(small), the order alternating per repeat; the baseline is the same source
+on the small file, which any loader holds whole.
 """
 
 from __future__ import annotations
@@ -25,17 +27,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import figure, ordered, report
 
 CHILD = """
-import itertools, json, resource, sys
+import itertools, json, sys
+from pathlib import Path
+from transformers import AutoTokenizer
 from learner.data import PromptSource
 from tether.config import TetherConfig
+
+def status(field):
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field))
+    return int(line.split()[1]) / 1024
+
 path, model, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
+AutoTokenizer.from_pretrained(model)  # libraries warm before the peak is reset: it measures the data
+Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (the peak RSS) to the current RSS
+before = status("VmRSS")
 cfg = TetherConfig.model_validate({"model": {"path": model}, "learner": {"data_path": path},
                                    "rollout": {"reward": {"type": "data_source"}}})
 first = list(itertools.islice(PromptSource(cfg), 5000))
 resumed = PromptSource(cfg, start=rows - 100)
 tail = list(itertools.islice(resumed, 300))
 assert tail[100].text == first[0].text and resumed.position == rows + 200
-print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+print(json.dumps({"peak_rss_mb": status("VmHWM"), "growth_mb": status("VmHWM") - before}))
 """
 
 
@@ -61,10 +73,12 @@ def write_verl_parquet(path: Path, rows: int, *, row_group: int) -> None:
     writer.close()
 
 
-def peak_mb(path: Path, model: Path, rows: int) -> float:
+def peak_mb(path: Path, model: Path, rows: int) -> dict[str, float]:
+    """``peak_rss_mb`` of a fresh process doing the learner's reads, and ``growth_mb`` of it over its RSS
+    once the libraries were loaded."""
     out = subprocess.run([sys.executable, "-c", CHILD, str(path), str(model), str(rows)], capture_output=True,
                          text=True, check=True, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,9 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         ratios = []
         for k in range(args.repeats):
             peaks = {n: peak_mb(files[n], model, n) for n in ordered([args.rows, args.small], k)}
-            ratios.append(peaks[args.rows] / peaks[args.small])
-            print(f"repeat {k}: peak RSS {args.rows} rows {peaks[args.rows]:.0f} MB, {args.small} rows "
-                  f"{peaks[args.small]:.0f} MB", flush=True)  # fmt: skip
+            big, small = peaks[args.rows], peaks[args.small]
+            ratios.append(big["peak_rss_mb"] / small["peak_rss_mb"])
+            print(f"repeat {k}: peak RSS {args.rows} rows {big['peak_rss_mb']:.1f} MB (+{big['growth_mb']:.1f} MB "
+                  f"over the loaded libraries), {args.small} rows {small['peak_rss_mb']:.1f} MB "
+                  f"(+{small['growth_mb']:.1f} MB)", flush=True)  # fmt: skip
     groups = f"row groups of {args.row_group}" if args.row_group else "one row group per file"
     report(figure(f"dataset_stream/peak_rss_{args.rows}_vs_{args.small}_rows", ratios, goal=1.1, direction="max",
                   baseline=f"the same prompt source on a {args.small}-row file ({groups})"))  # fmt: skip

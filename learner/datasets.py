@@ -4,8 +4,8 @@ A :class:`Table` has a row count, its column names, rows from any index to the e
 at given indices, and one column streamed (to collect the data sources at start). Formats:
 
 - ``.parquet``: pyarrow, **streamed** — only the footer is read at open, rows come in batches of
-  ``BATCH_ROWS`` one row group at a time, so memory is bounded by the row group, not the file (verl's
-  and ``datasets``' writers use row groups of at most a few thousand rows);
+  ``BATCH_ROWS`` through a buffered reader, so memory does not grow with the file (measured in
+  ``bench/dataset_stream.py``); a resume starts at the row group holding the position;
 - a ``datasets`` folder (``save_to_disk``) or a folder of data files ``load_dataset`` reads, and
   ``.json``/``.csv`` files: a ``datasets.Dataset``, memory-mapped Arrow, so also never loaded whole;
 - ``.jsonl``: read into memory with line-numbered errors (small files; convert large ones to parquet).
@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 BATCH_ROWS = 1024
+READ_BUFFER_BYTES = 1 << 20
+TAKE_GAP_ROWS = 8 * BATCH_ROWS  # indices closer than this are read in one scan
 
 
 class Table(Protocol):
@@ -40,7 +42,9 @@ class ParquetTable:
     def __init__(self, path: Path) -> None:
         import pyarrow.parquet as pq
 
-        self.file = pq.ParquetFile(path)
+        # Read pages as they are decoded, not a row group's column chunks at once: a file written as one
+        # row group (datasets' to_parquet, pandas) then streams too.
+        self.file = pq.ParquetFile(path, buffer_size=READ_BUFFER_BYTES, pre_buffer=False)
         meta = self.file.metadata
         sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
         self._starts = list(itertools.accumulate(sizes, initial=0))  # first row of each group, then the end
@@ -64,11 +68,22 @@ class ParquetTable:
             yield from batch.to_pylist()
 
     def take(self, indices: list[int]) -> list[dict[str, Any]]:
-        out = []
-        for group, members in itertools.groupby(indices, key=lambda i: bisect.bisect_right(self._starts, i) - 1):
-            table = self.file.read_row_group(group)
-            out += table.take([i - self._starts[group] for i in members]).to_pylist()
-        return out
+        """Rows at sorted ``indices``: one streamed scan per cluster of nearby indices (a restart reissues a
+        window of prompts near the position), so memory stays bounded as in :meth:`rows`."""
+        found: dict[int, dict[str, Any]] = {}
+        todo = sorted(set(indices))
+        while todo:
+            first, scan = todo[0], [todo[0]]
+            while len(scan) < len(todo) and todo[len(scan)] - scan[-1] <= TAKE_GAP_ROWS:
+                scan.append(todo[len(scan)])
+            wanted = set(scan)
+            for i, row in enumerate(self.rows(first), first):
+                if i in wanted:
+                    found[i] = row
+                if i == scan[-1]:
+                    break
+            todo = todo[len(scan) :]
+        return [found[i] for i in indices]
 
     def column(self, name: str) -> Iterator[Any]:
         for batch in self._batches(0, [name]):
