@@ -50,6 +50,10 @@ def make_tiny_reward_model(out_dir: str | Path, *, hidden: int = 128, layers: in
     return out
 
 
+PAD_LIMIT = 1.25
+"""Most padded tokens per real token in one forward."""
+
+
 @dataclass
 class _Item:
     ids: list[int]
@@ -122,17 +126,26 @@ class RewardModel(RewardService):
                     x.done.set_result(s)
 
     def _take(self, waiting: list[_Item]) -> list[_Item]:
-        """The first completions (arrival order) whose padded batch fits the token budget; at least one."""
+        """The next forward's completions: the oldest first, then of what is waiting those closest to it in
+        length, as long as the padded batch stays within the token budget and wastes at most a quarter of
+        it on padding (a padded row costs its full width in attention)."""
         if not self.batching:
             return [waiting.pop(0)]
-        n, longest = 0, 0
-        while n < len(waiting):
-            longest2 = max(longest, len(waiting[n].ids))
-            if n and longest2 * (n + 1) > self.max_batch_tokens:
-                break
-            n, longest = n + 1, longest2
-        batch = waiting[:n]
-        del waiting[:n]
+        anchor = len(waiting[0].ids)
+        order = sorted(range(len(waiting)), key=lambda i: (abs(len(waiting[i].ids) - anchor), i))
+        chosen: list[int] = []
+        real, longest = 0, 0
+        for i in order:
+            n = len(waiting[i].ids)
+            width = max(longest, n)
+            if chosen and (width * (len(chosen) + 1) > self.max_batch_tokens
+                           or width * (len(chosen) + 1) > PAD_LIMIT * (real + n)):  # fmt: skip
+                continue
+            chosen.append(i)
+            real, longest = real + n, width
+        batch = [waiting[i] for i in sorted(chosen)]
+        for i in sorted(chosen, reverse=True):
+            del waiting[i]
         return batch
 
     def _forward(self, seqs: list[list[int]]) -> list[float]:
