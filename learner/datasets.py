@@ -154,7 +154,7 @@ def _datasets(what: str) -> Any:
 
 def _pick_split(dataset: Any, *, split: str, path: Path, what: str) -> Any:
     """A ``DatasetDict``'s split: the only one, else ``split`` (``train``, or ``test``/``validation``)."""
-    if not hasattr(dataset, "keys"):
+    if not isinstance(dataset, _datasets(what).DatasetDict):
         return dataset
     names = list(dataset.keys())
     wanted = [split] if split == "train" else ["validation", "test", "val"]
