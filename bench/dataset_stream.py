@@ -1,6 +1,6 @@
 """Peak memory of the learner's prompt source on a 1M-row parquet file against a 10K-row one.
 
-    python bench/dataset_stream.py [--rows 1000000] [--small 10000] [--repeats 3] [--row-group 0]
+    python bench/dataset_stream.py [--rows 1000000] [--small 10000] [--repeats 3] [--row-group 0] [--quick]
 
 Both files are verl's row layout (chat-message ``prompt``, ``reward_model.ground_truth``, …) written
 with pyarrow; ``--row-group 0`` writes each file as one row group, as ``datasets``' ``to_parquet`` and
@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", type=int, default=10_000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--row-group", type=int, default=0, help="rows per row group; 0: one row group per file")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 100K rows, 1 repeat (not a measurement)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.rows, args.repeats = 100_000, 1
     from tether.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"over the loaded libraries), {args.small} rows {small['peak_rss_mb']:.1f} MB "
                   f"(+{small['growth_mb']:.1f} MB)", flush=True)  # fmt: skip
     groups = f"row groups of {args.row_group}" if args.row_group else "one row group per file"
-    report(figure(f"dataset_stream/peak_rss_{args.rows}_vs_{args.small}_rows", ratios, goal=1.1, direction="max",
-                  baseline=f"the same prompt source on a {args.small}-row file ({groups})"))  # fmt: skip
+    baseline = f"the same prompt source on a {args.small}-row file ({groups})"
+    name = f"dataset_stream/peak_rss_{args.rows}_vs_{args.small}_rows"
+    report(figure(name, ratios, goal=1.1, direction="max", baseline=baseline), quick=args.quick)
     return 0
 
 
