@@ -10,7 +10,8 @@ Every completion of every call goes into one queue; a loop takes what is waiting
 may be larger than the actor's), so 16 rollout servers each sending a group are scored in a few forwards,
 not 16 × n. ``--no-batching`` scores each completion in a forward of its own (the baseline of
 ``bench/reward_model.py``). The reward is the model's scalar output (``num_labels=1``), also reported as
-the component ``rm_score``.
+the component ``rm_score``. The model must be a decoder (causal) classifier with a ``score`` head, as
+Qwen-, Llama- and Mistral-based reward models are: rows are right-padded and read at their last token.
 
 Point rollout servers at it with ``rollout.reward: {type: remote, address: host:50071}``, or route some
 data sources to it with ``{type: data_source, scorers: {my_source: remote}, remote: {address: ...}}``.
@@ -62,13 +63,16 @@ class _Item:
 
 class RewardModel(RewardService):
     def __init__(self, model_dir: str, *, max_batch_tokens: int = 16384, batch_wait_ms: float = 5.0,
-                 batching: bool = True, max_length: int = 4096) -> None:  # fmt: skip
+                 batching: bool = True, max_length: int = 4096, device: str = "auto") -> None:  # fmt: skip
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                                   "cpu" if device == "auto" else device)  # fmt: skip
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
         self.pad = self.tokenizer.pad_token_id
         self.max_batch_tokens, self.batch_wait_s = max_batch_tokens, batch_wait_ms / 1000
         self.batching, self.max_length = batching, max_length
@@ -152,14 +156,17 @@ class RewardModel(RewardService):
         torch = self.torch
         width = max(map(len, seqs))
         ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):  # right padding: the model reads its score at the last real token
+        for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s)
-            mask[i, : len(s)] = 1
+        last = torch.tensor([len(s) - 1 for s in seqs])
         with torch.inference_mode():
-            logits = self.model(input_ids=ids, attention_mask=mask).logits
+            # Right padding in a causal model: no real token attends to a pad after it, so no attention mask
+            # is needed (and attention keeps its fast causal kernel); the score head reads each row's last
+            # real token — what the model's own pooling does, without guessing it from the pad id.
+            hidden = self.model.base_model(input_ids=ids.to(self.device)).last_hidden_state
+            scores = self.model.score(hidden[torch.arange(len(seqs), device=self.device), last.to(self.device)])
         self.forwards += 1
-        return logits[:, 0].float().tolist()
+        return scores[:, 0].float().tolist()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,14 +179,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--forward-max-token-len-per-gpu", type=int, default=16384, help="padded tokens per forward")
     p.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long a forward waits for more callers")
     p.add_argument("--no-batching", action="store_true", help="one completion per forward (a baseline)")
+    p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     args = p.parse_args(argv)
     if args.make_tiny:
         print(f"tiny reward model written to {make_tiny_reward_model(args.make_tiny)}")
         return 0
     if not args.model:
         p.error("give --model DIR (or --make-tiny DIR to make one)")
-    service = RewardModel(args.model, max_batch_tokens=args.forward_max_token_len_per_gpu,
-                          batch_wait_ms=args.batch_wait_ms, batching=not args.no_batching)  # fmt: skip
+    service = RewardModel(
+        args.model, max_batch_tokens=args.forward_max_token_len_per_gpu, batch_wait_ms=args.batch_wait_ms,
+        batching=not args.no_batching, device=args.device,
+    )  # fmt: skip
     serve(service, port=args.port, host=args.host, token=args.token)
     print(f"reward model service stopped after {service.forwards} forwards", flush=True)
     return 0
