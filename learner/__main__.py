@@ -34,9 +34,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"learner: learner.val_data_path: {val} does not exist (a dataset file or folder, or demo:TASK)",
                   file=sys.stderr)  # fmt: skip
             return 2
+    from learner.datasets import DataError
     from learner.main import run
 
-    return run(cfg, resume=args.resume)
+    try:
+        return run(cfg, resume=args.resume)
+    except DataError as e:  # a dataset that does not fit the config: its message, not a traceback
+        print(f"learner: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

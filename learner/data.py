@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
-from learner.datasets import open_table
+from learner.datasets import DataError, open_table
 from learner.rows import RowFormat, check_scorers
 from tether.config import TetherConfig
 from tether.logs import get_logger
@@ -40,7 +40,7 @@ class PromptSource(Iterator[Prompt]):
         self.position = start
         self.overlong = 0
         if not spec:
-            raise ValueError("learner.data_path is empty: give a dataset file or folder, or demo:charclass")
+            raise DataError("learner.data_path is empty: give a dataset file or folder, or demo:charclass")
         if spec.startswith("demo:"):
             self.table = None
             self._demo = (spec.split(":", 1)[1], cfg.run.seed)
@@ -56,7 +56,7 @@ class PromptSource(Iterator[Prompt]):
         )
         self.kept, self.overlong = self.format.scan(self.table, spec)
         if self.kept is not None and not self.kept.any():
-            raise ValueError(f"{what}: every prompt of {spec} is over learner.max_prompt_length "
+            raise DataError(f"{what}: every prompt of {spec} is over learner.max_prompt_length "
                              f"({cfg.learner.max_prompt_length}) and filtered out")  # fmt: skip
         filtered = 0 if self.kept is None else int((~self.kept).sum())
         log.info("dataset_opened", path=spec, rows=self.table.num_rows, prompts_filtered=filtered,

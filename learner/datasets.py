@@ -27,6 +27,10 @@ READ_BUFFER_BYTES = 1 << 20
 TAKE_GAP_ROWS = 8 * BATCH_ROWS  # indices closer than this are read in one scan
 
 
+class DataError(ValueError):
+    """A dataset that cannot be used as configured; the message names the key, the file and the row."""
+
+
 class Table(Protocol):
     num_rows: int
     columns: list[str]
@@ -136,9 +140,9 @@ def read_jsonl(path: Path, *, what: str) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{what}: {path}:{lineno} is not JSON ({e.msg})") from None
+                raise DataError(f"{what}: {path}:{lineno} is not JSON ({e.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{what}: {path}:{lineno} is not a JSON object")
+                raise DataError(f"{what}: {path}:{lineno} is not a JSON object")
             rows.append(row)
     return rows
 
@@ -147,7 +151,7 @@ def _datasets(what: str) -> Any:
     try:
         import datasets
     except ImportError:
-        raise ValueError(f"{what}: reading a datasets folder or .json/.csv needs the datasets package — "
+        raise DataError(f"{what}: reading a datasets folder or .json/.csv needs the datasets package — "
                          "pip install 'tether[data]', or convert the data to .parquet or .jsonl") from None  # fmt: skip
     return datasets
 
@@ -163,7 +167,7 @@ def _pick_split(dataset: Any, *, split: str, path: Path, what: str) -> Any:
     for name in wanted:
         if name in names:
             return dataset[name]
-    raise ValueError(f"{what}: {path} holds the splits {', '.join(names)} but none named {' or '.join(wanted)}; "
+    raise DataError(f"{what}: {path} holds the splits {', '.join(names)} but none named {' or '.join(wanted)}; "
                      "save the split you mean on its own (dataset_dict[name].save_to_disk(folder))")  # fmt: skip
 
 
@@ -172,7 +176,7 @@ def open_table(spec: str, *, what: str, split: str = "train") -> Table:
     a multi-split ``datasets`` folder (``train`` for training, ``test`` or ``validation`` for evaluation)."""
     path = Path(spec)
     if not path.exists():
-        raise ValueError(f"{what}: {spec} does not exist")
+        raise DataError(f"{what}: {spec} does not exist")
     suffix = path.suffix.lower()
     if path.is_dir():
         datasets = _datasets(what)
@@ -180,13 +184,13 @@ def open_table(spec: str, *, what: str, split: str = "train") -> Table:
         try:
             ds = datasets.load_from_disk(str(path)) if saved else datasets.load_dataset(str(path))
         except Exception as e:  # the library's own error says what it could not read; keep it, name the key
-            raise ValueError(f"{what}: {spec} is not a datasets folder ({type(e).__name__}: {e})") from None
+            raise DataError(f"{what}: {spec} is not a datasets folder ({type(e).__name__}: {e})") from None
         table: Table = DatasetTable(_pick_split(ds, split=split, path=path, what=what))
     elif suffix == ".parquet":
         try:
             table = ParquetTable(path)
         except Exception as e:  # pyarrow's ArrowInvalid and friends
-            raise ValueError(f"{what}: {spec} is not a readable parquet file ({e})") from None
+            raise DataError(f"{what}: {spec} is not a readable parquet file ({e})") from None
     elif suffix == ".jsonl":
         table = ListTable(read_jsonl(path, what=what))
     elif suffix in (".json", ".csv"):
@@ -194,8 +198,8 @@ def open_table(spec: str, *, what: str, split: str = "train") -> Table:
         ds = _datasets(what).load_dataset(builder, data_files=str(path), split="train")
         table = DatasetTable(ds)
     else:
-        raise ValueError(f"{what}: {spec}: unknown format {suffix or '(no suffix)'} — give a .parquet, .jsonl, "
+        raise DataError(f"{what}: {spec}: unknown format {suffix or '(no suffix)'} — give a .parquet, .jsonl, "
                          ".json or .csv file, a datasets folder, or demo:TASK")  # fmt: skip
     if not table.num_rows:
-        raise ValueError(f"{what}: {spec} has no rows")
+        raise DataError(f"{what}: {spec} has no rows")
     return table

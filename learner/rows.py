@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from learner.datasets import Table
+from learner.datasets import DataError, Table
 from tether.config import TetherConfig
 from tether.scorers import unrouted
 from tether.v1.trajectory_pb2 import Prompt
@@ -55,7 +55,7 @@ class RowFormat:
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
             if not self.model_path:
-                raise ValueError(f"{self.what}: chat-message prompts and learner.max_prompt_length need the "
+                raise DataError(f"{self.what}: chat-message prompts and learner.max_prompt_length need the "
                                  "policy's tokenizer — set model.path")  # fmt: skip
             from transformers import AutoTokenizer
 
@@ -67,7 +67,7 @@ class RowFormat:
             k.split(".")[0] for k in (self.prompt_key, self.answer_key) if k and k.split(".")[0] not in table.columns
         ]
         if missing:
-            raise ValueError(f"{self.what}: {spec} has no column {missing[0]!r} (columns: {', '.join(table.columns)}) "
+            raise DataError(f"{self.what}: {spec} has no column {missing[0]!r} (columns: {', '.join(table.columns)}) "
                              "— set learner.prompt_key / learner.answer_key")  # fmt: skip
 
     def text(self, row: dict[str, Any], index: int) -> str:
@@ -78,12 +78,12 @@ class RowFormat:
                                                      for m in value):  # fmt: skip
             tok = self.tokenizer
             if not getattr(tok, "chat_template", None):
-                raise ValueError(f"{self.what}: row {index}: the prompt is chat messages but the tokenizer of "
+                raise DataError(f"{self.what}: row {index}: the prompt is chat messages but the tokenizer of "
                                  f"{self.model_path} has no chat template — add one (chat_template in "
                                  "tokenizer_config.json) or give the prompts as text")  # fmt: skip
             messages = [{"role": m["role"], "content": m["content"]} for m in value]
             return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        raise ValueError(f"{self.what}: row {index}: {self.prompt_key!r} is {type(value).__name__}, not a string "
+        raise DataError(f"{self.what}: row {index}: {self.prompt_key!r} is {type(value).__name__}, not a string "
                          "or a list of chat messages ({role, content})")  # fmt: skip
 
     def context(self, row: dict[str, Any]) -> dict[str, str]:
@@ -130,7 +130,7 @@ class RowFormat:
                 if kept is not None:
                     kept[lo + j] = False
                 elif self.truncation == "error":
-                    raise ValueError(f"{self.what}: row {lo + j} of {spec} is {n} tokens, over "
+                    raise DataError(f"{self.what}: row {lo + j} of {spec} is {n} tokens, over "
                                      f"learner.max_prompt_length ({self.max_len}) — raise it, set learner.truncation: "
                                      "left or right, or learner.filter_overlong_prompts: true")  # fmt: skip
         return kept, overlong
@@ -158,11 +158,11 @@ def check_scorers(cfg: TetherConfig, sources: set[str], *, what: str, spec: str,
     if reward.type != "data_source":
         return
     if not sources:
-        raise ValueError(f"{what}: {spec} has no {source_key!r} column (learner.data_source_key), but "
+        raise DataError(f"{what}: {spec} has no {source_key!r} column (learner.data_source_key), but "
                          "rollout.reward.type is data_source — set the column or another reward type")  # fmt: skip
     missing = unrouted(sources, reward.scorers)
     if missing:
-        raise ValueError(f"{what}: no scorer for data_source {missing[0]!r}"
+        raise DataError(f"{what}: no scorer for data_source {missing[0]!r}"
                          f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''} — add it to "
                          f"rollout.reward.scorers, e.g. {{{missing[0]!r}: math}} (gsm8k, math, math_any, "
                          "exact_match, demo or remote)")  # fmt: skip
