@@ -105,3 +105,21 @@ class PromptSource(Iterator[Prompt]):
             if i == wanted[len(out)]:
                 out.append(self._prompt(row, i))
         return out
+
+
+def check_datasets(cfg: TetherConfig) -> None:
+    """What ``tether up`` checks before starting anything: each dataset opens, has its columns, and every
+    data source in it has a scorer (the prompt-length rule is left to the learner: it tokenizes every row)."""
+    for what, spec in (
+        ("learner.data_path", cfg.learner.data_path),
+        ("learner.val_data_path", cfg.learner.val_data_path),
+    ):
+        if not spec:
+            continue
+        if spec.startswith("demo:"):
+            check_scorers(cfg, {spec.split(":", 1)[1]}, what=what, spec=spec, source_key="task")
+            continue
+        table = open_table(spec, what=what, split="train" if what == "learner.data_path" else "test")
+        fmt = RowFormat(cfg, what=what)
+        fmt.check_columns(table, spec)
+        check_scorers(cfg, fmt.sources(table), what=what, spec=spec, source_key=cfg.learner.data_source_key)

@@ -163,3 +163,19 @@ def test_evaluation_set_from_parquet_keeps_sources(tmp_path: Path, tiny_model_di
     prompts = load_val_prompts(_cfg(tiny_model_dir, val_data_path=str(path), val_max_prompts=4))
     assert [p.dataset_index for p in prompts] == [0, 1, 2, 3]
     assert [p.reward_context["data_source"] for p in prompts] == ["openai/gsm8k", "lighteval/MATH"] * 2
+
+
+def test_tether_up_refuses_a_source_without_a_scorer_before_starting(tmp_path: Path, tiny_model_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    rows = verl_rows(4)
+    rows[2]["data_source"] = "my_lab/proofs"
+    path = write_verl_parquet(tmp_path / "t.parquet", rows)
+    args = ["--model.path", str(tiny_model_dir), "--learner.data_path", str(path), "--run.output_dir", str(tmp_path),
+            "--rollout.reward", "{type: data_source}"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "tether", "up", *args], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "tether: config error: learner.data_path: no scorer for data_source 'my_lab/proofs'" in proc.stderr
+    assert not list(tmp_path.glob("*/logs"))  # nothing was started
