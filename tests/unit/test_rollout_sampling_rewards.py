@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rollout_server.engines.sampling import RowParams, sample
-from rollout_server.rewards import last_boxed, math_equal, math_reward, normalize_answer
+from tether.scorers import last_boxed, math_equal, math_reward, normalize_answer
 
 
 def _params(rows: list[tuple[float, float, int, int | None]]) -> RowParams:

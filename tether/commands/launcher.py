@@ -136,6 +136,12 @@ def save_buffer_stats(cfg: TetherConfig, paths: RunPaths) -> None:
 
 def up(cfg: TetherConfig, *, resume: bool = False) -> int:
     check_model_path(cfg)
+    from learner.data import check_datasets
+
+    try:
+        check_datasets(cfg)  # a missing column or a data source without a scorer: before anything starts
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     gpus = plan_devices(cfg, count_gpus())  # a config that cannot fit this box fails before anything starts
     check_redis(cfg)
     if cfg.run.run_id is None:
