@@ -51,7 +51,8 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, *, input_ids: Tensor, position_ids: Tensor, index: Tensor, **kwargs) -> Tensor:  # type: ignore[no-untyped-def]
         hidden = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs).last_hidden_state
-        return self.value_head(hidden.reshape(-1, hidden.shape[-1])[index]).squeeze(-1).float()
+        # sum over the head's one output: its values, as a new tensor (FSDP warns about a returned view)
+        return self.value_head(hidden.reshape(-1, hidden.shape[-1])[index]).sum(-1).float()
 
 
 def load_value_model(cfg: TetherConfig, device: torch.device) -> ValueModel:
@@ -199,3 +200,14 @@ def value_metrics(samples: list[Sample]) -> dict[str, float]:
         "critic/values/mean": float(values.mean()),
         "critic/returns/mean": float(returns.mean()),
     }
+
+
+def build_critic(cfg: TetherConfig, device: torch.device) -> Critic | None:
+    """The sharded critic when ``algorithm.adv_estimator`` needs one (``gae``), else None."""
+    from learner.advantages import get_estimator
+    from learner.parallelize import parallelize
+
+    if not get_estimator(cfg.algorithm.adv_estimator).needs_critic:
+        return None
+    view = critic_view(cfg)
+    return Critic(cfg, parallelize(load_value_model(cfg, device), view, device), device=device)
