@@ -105,7 +105,7 @@ def test_critic_warmup_holds_the_actor_and_trains_the_critic(tiny_model_dir: Pat
 
 
 def test_tether_up_with_gae_raises_explained_variance(tmp_path: Path, tiny_model_dir: Path) -> None:
-    steps = 8
+    steps = 6
     path = write_config(tmp_path, tiny_model_dir, run_id="gae", steps=steps)
     cfg = yaml.safe_load(path.read_text())
     cfg["algorithm"].update({"adv_estimator": "gae", "gamma": 1.0, "lam": 0.95})
@@ -120,6 +120,5 @@ def test_tether_up_with_gae_raises_explained_variance(tmp_path: Path, tiny_model
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     ev = [r["critic/vf_explained_var"] for r in rows]
     early, late = sum(ev[:3]) / 3, sum(ev[-3:]) / 3
-    print("EV", ev)
     assert late > early + 0.1, ev
     assert all(set(CRITIC_KEYS) <= set(r) for r in rows)
