@@ -86,6 +86,7 @@ def plot(results: dict[str, list[dict]], png: Path) -> None:
     axes[0].legend()
     axes[1].set_xlabel("learner step")
     axes[1].set_ylabel("critic/vf_explained_var (one line per seed)")
+    axes[1].set_ylim(-1.0, 1.0)  # the first steps of a fresh critic sit far below; the rise is what matters
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -43,7 +43,8 @@ class ValueModel(torch.nn.Module):
         self.config = body.config
         self._no_split_modules = body._no_split_modules  # parallelize finds the blocks by these names
         self.value_head = torch.nn.Linear(body.config.hidden_size, 1)
-        torch.nn.init.normal_(self.value_head.weight, std=body.config.hidden_size**-0.5)
+        # As a Hugging Face head (verl's critic is one): small, so the first values sit near 0, not at ±|h|.
+        torch.nn.init.normal_(self.value_head.weight, std=getattr(body.config, "initializer_range", 0.02))
         torch.nn.init.zeros_(self.value_head.bias)
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:  # type: ignore[no-untyped-def]

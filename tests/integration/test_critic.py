@@ -3,6 +3,7 @@
 - Resume is exact: a checkpoint taken after step 1 and loaded into fresh models reproduces step 2's
   actor and critic losses bit for bit; loading it without the critic does not (the critic's state is
   what the checkpoint must carry).
+- Two gloo ranks give one rank's actor and critic metrics (each rank scores its share of the values).
 - During the critic's warm-up the actor's weights do not move while the critic's do.
 - A short ``tether up`` of the demo task with GAE: the critic's explained variance rises, and its
   metrics reach ``metrics.jsonl``.
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import yaml
+from torch.testing import assert_close
 
 from learner.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from learner.critic import build_critic
@@ -87,6 +91,25 @@ def test_resume_reproduces_the_next_steps_losses_exactly(tiny_model_dir: Path, t
                     scheduler=no_critic.scheduler)  # fmt: skip
     other = no_critic.train_step(_groups(2), version=0, step=1)
     assert other["critic/vf_loss"] != want["critic/vf_loss"] and other["loss/pg"] != want["loss/pg"]
+
+
+def _ranks_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    trainer = _trainer(_cfg(Path(model_dir)), seed=0)
+    results = [trainer.train_step(_groups(s), version=0, step=s) for s in range(2)]
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def test_two_ranks_match_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
+    trainer = _trainer(_cfg(tiny_model_dir), seed=0)  # one rank: this process's group
+    one = [trainer.train_step(_groups(s), version=0, step=s) for s in range(2)]
+    out = tmp_path / "world2.json"
+    mp.spawn(_ranks_worker, args=(2, free_port(), str(tiny_model_dir), str(out)), nprocs=2)
+    for a, b in zip(one, json.loads(out.read_text()), strict=True):
+        for k in (*CRITIC_KEYS, "critic/grad_norm", "critic/values/mean", "loss/pg", "actor/grad_norm"):
+            assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=k)
 
 
 def _flat(model: torch.nn.Module) -> torch.Tensor:
