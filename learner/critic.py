@@ -210,5 +210,8 @@ def build_critic(cfg: TetherConfig, device: torch.device) -> Critic | None:
 
     if not get_estimator(cfg.algorithm.adv_estimator).needs_critic:
         return None
+    if cfg.learner.ulysses_sequence_parallel_size > 1:
+        raise ValueError("algorithm.adv_estimator: gae with learner.ulysses_sequence_parallel_size > 1 is not "
+                         "supported yet (the critic plans over all ranks) — set it to 1 or use grpo")  # fmt: skip
     view = critic_view(cfg)
     return Critic(cfg, parallelize(load_value_model(cfg, device), view, device), device=device)

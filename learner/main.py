@@ -28,8 +28,10 @@ from learner.batch import broadcast_groups
 from learner.checkpoint import TrainState, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.critic import build_critic
 from learner.feed import DataTimeout, Feed
+from learner.group_trace import GroupTrace
 from learner.lifecycle import StopSignal, plan_resume_version
-from learner.parallelize import load_model, parallelize
+from learner.lora import adapter_params, is_lora
+from learner.parallelize import load_actor, load_model, parallelize
 from learner.telemetry import LiveStatus, StepProfiler, nvtx, peak_flops, train_flops
 from learner.trainer import Trainer
 from tether.config import TetherConfig
@@ -90,7 +92,7 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
     if rank == 0:
         paths.make()
     seed_everything(cfg.run.seed)
-    model = parallelize(load_model(cfg, device), cfg, device)
+    model = parallelize(load_actor(cfg, device), cfg, device)
     ref = parallelize(load_model(cfg, device), cfg, device, trainable=False) if cfg.algorithm.use_kl_loss else None
     critic = build_critic(cfg, device)  # PPO with GAE: a value model that never leaves the learner
     trainer = Trainer(cfg, model, device=device, ref_model=ref, critic=critic)
@@ -108,7 +110,7 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
     from weight_sync.sender import WeightSender
     from weight_sync.snapshot import latest_snapshot
 
-    client = feed = live = evaluator = None
+    client = feed = live = evaluator = trace = None
     metrics: MetricsLogger = build_metrics(paths.root, rank=rank, tensorboard=cfg.run.tensorboard)
     republish = False
     if rank == 0:
@@ -129,9 +131,11 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
         clear_run_end(client, feed.keys)  # a resumed run is not over, whatever a lifetime before published
         live = LiveStatus(client=client, key=feed.keys.learner, port=lc.metrics_port, total_steps=lc.total_steps,
                           start_step=state.step)  # fmt: skip
+        trace = GroupTrace(paths.root / "groups.jsonl")
     state.version, republish = _agree_version(state.version, republish, device)
     registry = ServerRegistry(client, feed.keys) if rank == 0 else None
-    sender = WeightSender(cfg, model=model, rank=rank, world_size=world, registry=registry)
+    params = adapter_params(model) if is_lora(model) else None  # LoRA: updates carry the adapters only
+    sender = WeightSender(cfg, model=model, params=params, rank=rank, world_size=world, registry=registry)
     if republish:  # before any prompt is fed: every server generates from the checkpoint's weights
         sender.publish(state.version, snapshot=True)
     if rank == 0 and (republish or read_version(client, feed.keys) < state.version):
@@ -183,6 +187,7 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
                 out = trainer.train_step(groups, version=state.version, step=state.step)
             if rank == 0:
                 feed.ack(batch)  # after the optimizer step that used them
+                trace.write(batch, step=state.step + 1)
                 state.data_position = feed.position
                 out.update(feed.admission_metrics(state.version))
             state.step += 1

@@ -10,7 +10,10 @@ advantage estimator (:mod:`learner.advantages`), updates the critic, and updates
 critic is still warming up (``critic.critic_warmup``).
 
 Losses are scaled by the world size before backward because FSDP2 averages gradients over ranks while
-:mod:`learner.losses` already normalises by the global token/sequence counts.
+:mod:`learner.losses` already normalises by the global token/sequence counts. With Ulysses sequence
+parallelism (:mod:`learner.ulysses`) the plan is made for the W/SP data-parallel groups: the SP ranks of a
+group train the same micro-batches, each on its slice of the row, and only the group's first rank counts
+the metrics.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from learner import ulysses
 from learner.advantages import assign_advantages
 from learner.batch import NOT_SKIPPED, build_samples
 from learner.critic import Critic
@@ -75,6 +79,8 @@ class Trainer:
         self.policy_loss = get_policy_loss(cfg.algorithm.loss_mode)
         self.norm_len = float(cfg.rollout.max_tokens)  # Dr.GRPO's constant length
         self.offload = activation_offload(cfg, device)
+        self.layout = ulysses.setup(lc.ulysses_sequence_parallel_size, num_heads=model.config.num_attention_heads)
+        self.sp = self.layout if self.layout.sp > 1 else None
         mini = lc.ppo_mini_batch_size or lc.train_batch_size
         self.n_mini = lc.train_batch_size // mini
         self.optimizer = torch.optim.AdamW(
@@ -125,9 +131,9 @@ class Trainer:
         lengths = [samples[i].length for i in index]
         plan = plan_micro_batches(
             lengths,
-            world_size=self.world,
+            world_size=self.layout.dp,
             dynamic=lc.use_dynamic_bsz,
-            max_tokens=lc.max_token_len_per_gpu,
+            max_tokens=lc.max_token_len_per_gpu * self.layout.sp,
             micro_batch_size=lc.micro_batch_size_per_gpu,
         )
         return [[[index[j] for j in mb] for mb in rank] for rank in plan]
@@ -135,15 +141,16 @@ class Trainer:
     def _forward_only_plan(self, samples: list[Sample], update_plans: list) -> list[list[int]]:
         """This rank's samples (the ones it updates on) cut by the larger forward-only budgets."""
         lc = self.cfg.learner
-        per_rank = [sorted({i for plan in update_plans for mb in plan[r] for i in mb}) for r in range(self.world)]
+        groups = range(self.layout.dp)
+        per_rank = [sorted({i for plan in update_plans for mb in plan[r] for i in mb}) for r in groups]
         plan = plan_within_ranks(
             per_rank,
             [s.length for s in samples],
             dynamic=lc.use_dynamic_bsz,
-            max_tokens=lc.log_prob_max_token_len_per_gpu or 2 * lc.max_token_len_per_gpu,
+            max_tokens=(lc.log_prob_max_token_len_per_gpu or 2 * lc.max_token_len_per_gpu) * self.layout.sp,
             micro_batch_size=lc.log_prob_micro_batch_size_per_gpu or 2 * lc.micro_batch_size_per_gpu,
         )
-        return plan[self.rank]
+        return plan[self.layout.dp_rank]
 
     # ----- passes
 
@@ -154,7 +161,9 @@ class Trainer:
             if mb.empty:
                 dummy_loss(model, mb, device=self.device)
                 continue
-            logprobs, _ = forward_micro_batch(model, mb, device=self.device, temperature=_temperatures(samples, index))
+            logprobs, _ = forward_micro_batch(
+                model, mb, device=self.device, temperature=_temperatures(samples, index), sp=self.sp
+            )
             logprobs = logprobs.cpu().numpy()
             offset = 0
             for i in index:
@@ -190,6 +199,7 @@ class Trainer:
                     entropy_checkpointing=lc.entropy_checkpointing,
                     entropy_grad=a.entropy_coeff > 0,
                     temperature=_temperatures(samples, index),
+                    sp=self.sp,
                 )
             dev = {"device": self.device}
             behavior = per_token(samples, index, "behavior_logprobs").to(**dev)
@@ -215,6 +225,8 @@ class Trainer:
                 ref_logprobs=ref,
             )
             (loss * self.world).backward()
+            if self.layout.sp_rank:
+                continue  # the group's first rank counts its metrics
             for k, v in m.items():
                 v = float(v)
                 sums[k] = max(sums.get(k, 0.0), v) if k.endswith("_max") else sums.get(k, 0.0) + v
@@ -246,7 +258,9 @@ class Trainer:
         norms = []
         for _ in range(self.cfg.learner.ppo_epochs):
             for mini, plan in zip(minis, plans, strict=True):
-                norms.append(self._update(samples, mini, plan[self.rank], sums, proximal_from_forward=not separate))
+                norms.append(
+                    self._update(samples, mini, plan[self.layout.dp_rank], sums, proximal_from_forward=not separate)
+                )
         n_updates = len(norms)
         keys = self.metric_keys
         summed = torch.tensor([sums.get(k, 0.0) for k in keys if not k.endswith("_max")], dtype=torch.float64)

@@ -6,6 +6,7 @@
     tether rollout --config cfg.yaml --run.run_id r1 one rollout server
     tether status --config cfg.yaml --run.run_id r1  a live view of a running run
     tether config --config cfg.yaml [overrides]      print the resolved config
+    tether plan --from-run runs/<id>                 simulate the fleet: replay a run, or project a split
     tether make-tiny-model DIR                       a tiny local model for tests and the demo
     tether make-tiny-model DIR --warm-start addition  ... then trained to be partly right at a task
 
@@ -75,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = sub.add_parser("config", help="validate a config and print it resolved")
     _add_config(show)
+
+    from tether.plan.cli import add_parser as add_plan
+
+    add_plan(sub)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random model + byte-level tokenizer")
     tiny.add_argument("out_dir", metavar="DIR")
@@ -183,6 +188,12 @@ def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tether.plan.cli import cmd_plan as run_plan
+
+    return run_plan(args, overrides)
+
+
 def cmd_make_tiny_model(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise ConfigError(f"make-tiny-model: unexpected arguments {' '.join(overrides)}")
@@ -227,6 +238,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "rollout": cmd_rollout,
     "status": cmd_status,
     "config": cmd_config,
+    "plan": cmd_plan,
     "make-tiny-model": cmd_make_tiny_model,
 }
 

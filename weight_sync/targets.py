@@ -7,6 +7,9 @@ nothing holding a reference to a parameter goes stale). For vLLM the receiving h
 worker processes (``weight_sync.vllm_worker.WeightSyncWorker``), which join the collective group
 themselves; this side only forwards the plan as protobuf bytes over ``collective_rpc``.
 
+With ``model.lora`` an update holds adapter tensors only and both targets merge them into the base
+weights (:mod:`weight_sync.lora`).
+
 Received buckets are loaded at commit, not as they arrive, so a transfer that fails half-way never
 leaves a model with a mix of two versions (the price: one model's worth of receive buffers).
 """
@@ -25,6 +28,7 @@ from tether.config import TetherConfig
 from tether.v1 import control_pb2
 from weight_sync.buckets import Layout, checksum, unpack
 from weight_sync.collective import CollectiveReceive
+from weight_sync.lora import AdapterApplier
 from weight_sync.snapshot import read_snapshot
 
 LoadResult = tuple[int, dict[str, float]]  # bytes loaded, checksum per tensor (empty unless asked)
@@ -75,6 +79,7 @@ class ModuleTarget(Target):
         self.engine = engine
         wcfg = cfg.weight_sync
         self.sums = wcfg.verify_checksums
+        self.adapter = AdapterApplier(cfg.model.lora.scale) if cfg.model.lora is not None else None
         self.transfer_timeout_s = wcfg.transfer_timeout_s
         self.collective = CollectiveReceive(go_timeout_s=wcfg.prepare_timeout_s + wcfg.transfer_timeout_s)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="weight-sync")
@@ -110,10 +115,15 @@ class ModuleTarget(Target):
         # The buckets are reused by the next update's receive; holding the receive lock keeps a late
         # receive (after a commit that timed out) from overwriting them mid-load.
         with self.collective.lock:
-            return load_into_module(self.engine.model, named, sums=self.sums)
+            return self._load(named)
+
+    def _load(self, named: Iterable[tuple[str, torch.Tensor]]) -> LoadResult:
+        if self.adapter is not None:
+            return self.adapter.load(self.engine.model, named, sums=self.sums)
+        return load_into_module(self.engine.model, named, sums=self.sums)
 
     async def load_snapshot(self, path: Path) -> LoadResult:
-        return await asyncio.to_thread(load_into_module, self.engine.model, read_snapshot(path), sums=self.sums)
+        return await asyncio.to_thread(self._load, read_snapshot(path))
 
     async def cancel(self) -> None:
         self._receiving.clear()
@@ -125,6 +135,7 @@ class VllmTarget(Target):
     def __init__(self, engine, cfg: TetherConfig) -> None:
         self.engine = engine
         self.wcfg = cfg.weight_sync
+        self.lora_scale = cfg.model.lora.scale if cfg.model.lora is not None else 0.0  # 0: full updates
 
     async def _rpc(self, method: str, *args) -> list:
         return await self.engine.llm.collective_rpc(method, args=args)
@@ -140,12 +151,14 @@ class VllmTarget(Target):
         await self._rpc("tether_prepare", plan.SerializeToString(), self.wcfg.transfer_timeout_s, go_timeout)
 
     async def finish(self, plan: control_pb2.WeightUpdatePlan, *, timeout_s: float) -> LoadResult:
-        result = self._merge(await self._rpc("tether_commit", plan.update_id, timeout_s, self.wcfg.verify_checksums))
+        sums = self.wcfg.verify_checksums
+        result = self._merge(await self._rpc("tether_commit", plan.update_id, timeout_s, sums, self.lora_scale))
         await self._after_load()
         return result
 
     async def load_snapshot(self, path: Path) -> LoadResult:
-        result = self._merge(await self._rpc("tether_load_snapshot", str(path), self.wcfg.verify_checksums))
+        sums = self.wcfg.verify_checksums
+        result = self._merge(await self._rpc("tether_load_snapshot", str(path), sums, self.lora_scale))
         await self._after_load()
         return result
 

@@ -46,6 +46,11 @@ class LearnerConfig(Section):
     max_token_len_per_gpu: int = Field(default=8192, gt=0)
     """Token budget of one micro-batch on one GPU with ``use_dynamic_bsz``."""
 
+    ulysses_sequence_parallel_size: int = Field(default=1, gt=0)
+    """Ulysses sequence parallelism: SP consecutive learner ranks share each packed row (a 1/SP slice of
+    the tokens each, heads exchanged around attention), so the ranks form W/SP data-parallel groups and
+    ``max_token_len_per_gpu`` x SP is a group's token budget. Needs ``use_remove_padding`` (verl name)."""
+
     log_prob_micro_batch_size_per_gpu: int | None = Field(default=None, gt=0)
     """Micro-batch of forward-only passes (log-prob recomputation, reference); empty: 2x training."""
 
@@ -165,6 +170,14 @@ class LearnerConfig(Section):
         if self.val_n > 1 and self.val_temperature == 0:
             raise ValueError(f"val_n is {self.val_n} but val_temperature is 0: greedy samples are all the same — "
                              "set learner.val_temperature > 0 or learner.val_n: 1")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_parallel(self) -> LearnerConfig:
+        if self.ulysses_sequence_parallel_size > 1 and not self.use_remove_padding:
+            raise ValueError(f"ulysses_sequence_parallel_size is {self.ulysses_sequence_parallel_size} but "
+                             "use_remove_padding is false — sequence parallelism splits packed rows; set "
+                             "learner.use_remove_padding: true")  # fmt: skip
         return self
 
     @model_validator(mode="after")
