@@ -5,7 +5,8 @@ tokens, never scored), with a non-finite reward or behaviour log-prob, without p
 token has no logits), without completion tokens, or with an unreadable sampling temperature; a fully
 masked trajectory still counts in its group's baseline but has nothing to train on. Advantages are
 computed per group over the surviving rewards (GRPO / Dr.GRPO); a group left with one sample has no
-baseline (advantage 0) and is counted as ``single_sample_groups``.
+baseline (advantage 0) and is counted as ``single_sample_groups``. The trainer then runs the configured
+estimator over the samples (:func:`learner.advantages.assign_advantages`; for GRPO the same numbers).
 
 Each sample carries the temperature its tokens were sampled at (trajectory metadata
 :data:`~tether.trajectory.TEMPERATURE_KEY`, else ``default_temperature``, the config's
@@ -33,7 +34,7 @@ import torch.distributed as dist
 
 from buffer.policy import staleness_of
 from buffer.wire import decode_group_fast, encode_group_fast
-from learner.losses import group_advantages
+from learner.advantages import group_advantages
 from learner.packing import Sample
 from tether.logs import get_logger
 from tether.trajectory import (

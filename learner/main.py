@@ -26,6 +26,7 @@ from buffer.keys import RedisKeys
 from buffer.ledger import write_books
 from learner.batch import broadcast_groups
 from learner.checkpoint import TrainState, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.critic import build_critic
 from learner.feed import DataTimeout, Feed
 from learner.group_trace import GroupTrace
 from learner.lifecycle import StopSignal, plan_resume_version
@@ -93,14 +94,16 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
     seed_everything(cfg.run.seed)
     model = parallelize(load_actor(cfg, device), cfg, device)
     ref = parallelize(load_model(cfg, device), cfg, device, trainable=False) if cfg.algorithm.use_kl_loss else None
-    trainer = Trainer(cfg, model, device=device, ref_model=ref)
+    critic = build_critic(cfg, device)  # PPO with GAE: a value model that never leaves the learner
+    trainer = Trainer(cfg, model, device=device, ref_model=ref, critic=critic)
     state = TrainState()
     if resume:
         ckpt = latest_checkpoint(paths.checkpoints)
         if ckpt is None:
             log.warning("resume_without_checkpoint", folder=str(paths.checkpoints))
         else:
-            state = load_checkpoint(ckpt, model=model, optimizer=trainer.optimizer, scheduler=trainer.scheduler)
+            state = load_checkpoint(ckpt, model=model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                                    critic=critic)  # fmt: skip
 
     from buffer import ServerRegistry, publish_version, read_version
     from buffer.ledger import LedgerSnapshot, take_snapshot
@@ -161,7 +164,7 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
                 log.warning("checkpoint_without_books", error=str(e))
                 state.ledger = None
         save_checkpoint(paths.checkpoints, model=model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-                        state=state)  # fmt: skip
+                        state=state, critic=critic)  # fmt: skip
 
     try:
         while state.step < lc.total_steps:
@@ -181,7 +184,7 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
                 break
             t_data = time.perf_counter() - t0
             with profiler(state.step + 1), nvtx(f"step{state.step + 1}"):
-                out = trainer.train_step(groups, version=state.version)
+                out = trainer.train_step(groups, version=state.version, step=state.step)
             if rank == 0:
                 feed.ack(batch)  # after the optimizer step that used them
                 trace.write(batch, step=state.step + 1)

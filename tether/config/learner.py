@@ -88,6 +88,11 @@ class LearnerConfig(Section):
     enable_gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
 
+    enable_activation_offload: bool = False
+    """Keep the activations saved for backward in pinned CPU memory (with gradient checkpointing: the
+    blocks' inputs) and bring them back in backward (verl's name). CUDA only; on CPU it is ignored with
+    one log line."""
+
     forward_prefetch: bool = False
     """Prefetch the next block's all-gather during forward (FSDP2)."""
 
