@@ -27,7 +27,7 @@ class RecordingLlm:
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    def __getattr__(self, name: str):  # noqa: ANN204
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         self.calls.append(name)
 
         async def rpc(*args, **kwargs) -> list:
@@ -47,7 +47,7 @@ def _engine(kind: str) -> SimpleNamespace:
 
 def test_sglang_typed_engine_never_reaches_vllm_rpcs() -> None:
     engine = _engine("sglang")
-    with pytest.raises(TargetUnavailable, match="rollout.engine.type=sglang"):
+    with pytest.raises(TargetUnavailable, match=r"rollout\.engine\.type=sglang"):
         make_target(engine, _cfg("sglang"))
     with pytest.raises(TargetUnavailable):
         WeightReceiver(engine, _cfg("sglang"))
@@ -61,7 +61,7 @@ def test_sglang_typed_engine_never_reaches_vllm_rpcs() -> None:
 def test_dispatch_is_by_configured_type() -> None:
     assert isinstance(make_target(_engine("vllm"), _cfg("vllm")), VllmTarget)
     assert isinstance(make_target(_engine("transformers"), _cfg("transformers")), ModuleTarget)
-    with pytest.raises(TypeError, match="rollout.engine.type is 'transformers' but the engine is 'vllm'"):
+    with pytest.raises(TypeError, match=r"rollout\.engine\.type is 'transformers' but the engine is 'vllm'"):
         make_target(_engine("vllm"), _cfg("transformers"))
 
 
