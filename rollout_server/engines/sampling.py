@@ -49,10 +49,11 @@ class RowParams:
             generators=gens,
         )
 
-    @property
-    def truncates(self) -> bool:
-        """Whether any row restricts its support (top-k or top-p), which needs the sorted path."""
-        return bool(((self.top_k > 0) | (self.top_p < 1)).any())
+    def __post_init__(self) -> None:
+        # Decided once per batch, not per step (no device sync in the decode loop): whether any row restricts
+        # its support (top-k / top-p: the sorted path), whether any row is greedy.
+        self.truncates = bool(((self.top_k > 0) | (self.top_p < 1)).any())
+        self.has_greedy = bool((self.temperature <= 0).any())
 
     def select(self, keep: torch.Tensor) -> RowParams:
         idx = keep.tolist()
@@ -75,7 +76,7 @@ def sample(logits: torch.Tensor, params: RowParams) -> tuple[torch.Tensor, torch
     greedy = params.temperature <= 0
     temp = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
     if not params.truncates:
-        return _sample_full_support(logits, temp, greedy, params.generators)
+        return _sample_full_support(logits, temp, greedy if params.has_greedy else None, params.generators)
     sorted_logits, order = torch.sort(logits / temp[:, None], dim=-1, descending=True)
     vocab = logits.shape[-1]
     positions = torch.arange(vocab, device=logits.device)[None, :]
@@ -106,7 +107,7 @@ def sample(logits: torch.Tensor, params: RowParams) -> tuple[torch.Tensor, torch
 
 
 def _sample_full_support(
-    logits: torch.Tensor, temp: torch.Tensor, greedy: torch.Tensor, generators: list[torch.Generator | None]
+    logits: torch.Tensor, temp: torch.Tensor, greedy: torch.Tensor | None, generators: list[torch.Generator | None]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample` for a batch in which no row truncates: no sort, the same distributions."""
     logp = torch.log_softmax(logits / temp[:, None], dim=-1)  # greedy rows: temp 1, their reported log-probs
@@ -121,6 +122,6 @@ def _sample_full_support(
     for i, g in enumerate(generators):
         if g is not None:
             tokens[i] = torch.multinomial(probs[i], 1, generator=g).squeeze(-1)
-    if bool(greedy.any()):
+    if greedy is not None:
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -55,6 +55,7 @@ class _Request:
     finished: set[int] = field(default_factory=set)
     closed: bool = False
     aborted: bool = False
+    wake_each_step: bool = True  # False: the consumer wants whole samples (generate), woken once at the end
 
     @property
     def open_rows(self) -> int:
@@ -71,7 +72,8 @@ class _Request:
         if finish:
             chunk.finish_reason = finish
             self.finished.add(index)
-        self.ready.set()
+        if self.wake_each_step:
+            self.ready.set()
 
     def close(self, finish: int = 0) -> None:
         """End the stream; with ``finish``, the samples still open end with that reason first."""
@@ -159,10 +161,18 @@ class TransformersEngine(Engine):
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # --- admission -------------------------------------------------------------------------------
-    async def stream(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
+    def stream(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
+        return self._chunks(prompt_ids, spec, request_id=request_id, wake_each_step=True)
+
+    def _stream_whole(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
+        return self._chunks(prompt_ids, spec, request_id=request_id, wake_each_step=False)
+
+    async def _chunks(
+        self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str, wake_each_step: bool
+    ) -> AsyncIterator[Chunk]:
         if self._loop_task is None or self._loop_task.done():
             raise EngineError("transformers engine is not running")
-        req = _Request(request_id, list(prompt_ids), spec)
+        req = _Request(request_id, list(prompt_ids), spec, wake_each_step=wake_each_step)
         self._requests[request_id] = req
         self._pending.put_nowait(req)
         try:
@@ -312,7 +322,7 @@ class TransformersEngine(Engine):
         state: dict[str, Any] = {"cache": None, "ids": ids, "mask": mask, "pos": pos}
         tokens, logps, version = await self._step(state, params)
         batch = RunningBatch(cache=state["cache"], mask=mask, pos=pos[:, -1] + 1, params=params)
-        batch.last = torch.tensor(tokens, device=self.device)
+        batch.last = state["next"]
         alive = self._emit(rows, tokens, logps, version)
         batch.keep(alive)
         rows = [rows[i] for i in alive]
@@ -332,8 +342,7 @@ class TransformersEngine(Engine):
         mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=-1)
         state = {"cache": batch.cache, "ids": batch.last[:, None], "mask": mask, "pos": batch.pos[:, None]}
         tokens, logps, version = await self._step(state, batch.params)
-        batch.mask, batch.pos = mask, batch.pos + 1
-        batch.last = torch.tensor(tokens, device=self.device)
+        batch.mask, batch.pos, batch.last = mask, batch.pos + 1, state["next"]
         alive = self._emit(self._rows, tokens, logps, version)
         batch.keep(alive)
         self._rows = [self._rows[i] for i in alive]
@@ -363,6 +372,7 @@ class TransformersEngine(Engine):
 
         with torch.inference_mode():
             tokens, logps = sample(self._forward_sync(state), params)
+            state["next"] = tokens  # the next step's input, without a trip through Python
             return tokens.tolist(), logps.tolist()
 
     def _forward_sync(self, state: dict[str, Any]) -> Any:
