@@ -115,13 +115,20 @@ def _sample_full_support(
     tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if len(unseeded) == len(generators):
-        tokens = torch.multinomial(probs, 1).squeeze(-1)
+        tokens = _exponential_race(probs)
     elif unseeded:
         idx = torch.tensor(unseeded, device=logits.device)
-        tokens[idx] = torch.multinomial(probs[idx], 1).squeeze(-1)
+        tokens[idx] = _exponential_race(probs[idx])
     for i, g in enumerate(generators):
         if g is not None:
             tokens[i] = torch.multinomial(probs[i], 1, generator=g).squeeze(-1)
     if greedy is not None:
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _exponential_race(probs: torch.Tensor) -> torch.Tensor:
+    """One draw per row from ``probs`` [B, V]: argmax of p / E with E ~ Exp(1) picks token i with
+    probability p_i (the exponential race; Gumbel-max in another form), several times cheaper than
+    ``torch.multinomial`` on CPU for one sample per row."""
+    return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)

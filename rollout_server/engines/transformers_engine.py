@@ -19,7 +19,9 @@ coalesced per sample until its consumer takes them, so a consumer wakes at most 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -101,8 +103,8 @@ class TransformersEngine(Engine):
         self.ecfg = cfg.rollout.engine
         self.model: Any = None
         self.device: Any = None
-        self._pending: asyncio.Queue[_Request] = asyncio.Queue()
-        self._held: _Request | None = None  # first in line, waiting for room in the batch
+        self._waiting: collections.deque[_Request] = collections.deque()  # arrival order; the first may wait for room
+        self._arrived = asyncio.Event()
         self._requests: dict[str, _Request] = {}
         self._rows: list[_Row] = []  # the running batch's rows, in cache order
         self._batch: RunningBatch | None = None
@@ -110,6 +112,8 @@ class TransformersEngine(Engine):
         self._step_gate = asyncio.Event()  # cleared by pause("keep"): the running batch freezes
         self._forward_idle = asyncio.Event()  # set while no forward pass runs
         self._batch_idle = asyncio.Event()  # set while no row runs or is being admitted
+        self._interrupt = threading.Event()  # set by pause/shutdown: the decode burst returns after this step
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._eos: set[int] = set()
         # The model's own thread: forward passes never wait behind other blocking work (Redis reads,
@@ -117,6 +121,7 @@ class TransformersEngine(Engine):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self.model, self.tokenizer, self.device = await asyncio.to_thread(self._load)
         self.max_model_len = self.cfg.model.max_model_len or int(
             getattr(self.model.config, "max_position_embeddings", 2048)
@@ -150,6 +155,7 @@ class TransformersEngine(Engine):
         return model.to(device).eval(), tokenizer, device
 
     async def shutdown(self) -> None:
+        self._interrupt.set()
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -174,7 +180,8 @@ class TransformersEngine(Engine):
             raise EngineError("transformers engine is not running")
         req = _Request(request_id, list(prompt_ids), spec, wake_each_step=wake_each_step)
         self._requests[request_id] = req
-        self._pending.put_nowait(req)
+        self._waiting.append(req)
+        self._arrived.set()
         try:
             while True:
                 await req.ready.wait()
@@ -198,6 +205,7 @@ class TransformersEngine(Engine):
         self._admit.clear()
         if inflight == "keep":
             self._step_gate.clear()
+            self._interrupt.set()
             await self._forward_idle.wait()
         else:
             await self._batch_idle.wait()
@@ -216,7 +224,7 @@ class TransformersEngine(Engine):
 
     @property
     def queued_requests(self) -> int:
-        return self._pending.qsize() + (self._held is not None)
+        return len(self._waiting)
 
     @property
     def _running_rows(self) -> int:
@@ -252,22 +260,24 @@ class TransformersEngine(Engine):
                 return []
             return self._take(limit - len(self._rows))
         await self._admit.wait()
-        first = self._held or await self._pending.get()
-        self._held = first
-        if not self._admit.is_set():  # paused while we waited for a request: keep it for later
+        while not self._waiting:
+            self._arrived.clear()
+            await self._arrived.wait()
+        if not self._admit.is_set():  # paused while we waited for a request: it stays first in line
             return []
         # From here the request counts as in flight: a drain-pause waits for it, a keep-pause freezes it
         # at its first forward pass; either way no forward pass starts after pause() returned.
         self._batch_idle.clear()
-        return await self._take_waiting(max(limit, first.spec.n))
+        return await self._take_waiting(max(limit, self._waiting[0].spec.n))
 
     async def _take_waiting(self, room: int) -> list[_Request]:
         deadline = time.monotonic() + self.ecfg.batch_wait_ms / 1000
         taken = self._take(room)
         room -= sum(r.spec.n for r in taken)
-        while room > 0 and self._held is None and (left := deadline - time.monotonic()) > 0:
+        while room > 0 and not self._waiting and (left := deadline - time.monotonic()) > 0:
+            self._arrived.clear()
             try:
-                self._held = await asyncio.wait_for(self._pending.get(), left)
+                await asyncio.wait_for(self._arrived.wait(), left)
             except TimeoutError:
                 break
             more = self._take(room)
@@ -278,21 +288,16 @@ class TransformersEngine(Engine):
     def _take(self, room: int) -> list[_Request]:
         """Requests in arrival order while they fit in ``room`` rows; aborted ones end here, unrun."""
         taken: list[_Request] = []
-        while True:
-            if self._held is None:
-                if self._pending.empty():
-                    return taken
-                self._held = self._pending.get_nowait()
-            req = self._held
+        while self._waiting:
+            req = self._waiting[0]
             if req.aborted:
-                self._held = None
-                req.close(FINISH_ABORTED)
+                self._waiting.popleft().close(FINISH_ABORTED)
                 continue
             if req.spec.n > room:
-                return taken  # first in line keeps its place until there is room
-            self._held = None
-            taken.append(req)
+                break  # first in line keeps its place until there is room
+            taken.append(self._waiting.popleft())
             room -= req.spec.n
+        return taken
 
     async def _prefill(self, requests: list[_Request]) -> None:
         import torch
@@ -320,54 +325,80 @@ class TransformersEngine(Engine):
         )
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         state: dict[str, Any] = {"cache": None, "ids": ids, "mask": mask, "pos": pos}
-        tokens, logps, version = await self._step(state, params)
-        batch = RunningBatch(cache=state["cache"], mask=mask, pos=pos[:, -1] + 1, params=params)
-        batch.last = state["next"]
-        alive = self._emit(rows, tokens, logps, version)
-        batch.keep(alive)
-        rows = [rows[i] for i in alive]
-        if not rows:
-            return
-        if self._batch is None or not self._rows:
-            self._batch, self._rows = batch, rows
-        else:
+
+        def prefill() -> tuple[RunningBatch, list[_Row]]:
+            tokens, logps = self._step_sync(state, params)
+            batch = RunningBatch(cache=state["cache"], mask=mask, pos=pos[:, -1] + 1, params=params)
+            batch.last = state["next"]
+            alive, out = self._advance(rows, tokens, logps, version)
+            batch.keep(alive)
+            self._post(out)
+            return batch, [rows[i] for i in alive]
+
+        await self._gate()
+        version = self.policy_version  # see _decode: fixed while the forward runs
+        batch, alive = await self._threaded(prefill)
+        if alive and self._batch is not None and self._rows:
             self._batch.join(batch)
-            self._rows += rows
+            self._rows = self._rows + alive
+        elif alive:
+            self._batch, self._rows = batch, alive
 
     async def _decode(self) -> None:
+        """Decode steps, back to back in the engine's thread, until the loop is needed: every row is done,
+        a pause asks for the thread, or a waiting request fits in the batch. Tokens reach their requests
+        through the event loop after each step; the thread never waits for that."""
+        await self._gate()
+        # Clear before the burst, with no await in between: a pause from here on interrupts it.
+        self._interrupt.clear()
+        await self._threaded(self._decode_burst)
+
+    def _decode_burst(self) -> None:
         import torch
 
         batch = self._batch
         assert batch is not None and batch.last is not None
-        mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=-1)
-        state = {"cache": batch.cache, "ids": batch.last[:, None], "mask": mask, "pos": batch.pos[:, None]}
-        tokens, logps, version = await self._step(state, batch.params)
-        batch.mask, batch.pos, batch.last = mask, batch.pos + 1, state["next"]
-        alive = self._emit(self._rows, tokens, logps, version)
-        batch.keep(alive)
-        self._rows = [self._rows[i] for i in alive]
+        limit = self.ecfg.max_num_seqs
+        outbox: list = []  # tokens not yet handed to the loop (nobody is waiting for them yet)
+        while True:
+            # A weight load happens only while the engine is paused, after this burst returned (pause waits
+            # on _forward_idle), so the version read here is the one this step's forward runs with.
+            version = self.policy_version
+            mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=-1)
+            state = {"cache": batch.cache, "ids": batch.last[:, None], "mask": mask, "pos": batch.pos[:, None]}
+            tokens, logps = self._step_sync(state, batch.params)
+            batch.mask, batch.pos, batch.last = mask, batch.pos + 1, state["next"]
+            alive, out = self._advance(self._rows, tokens, logps, version)
+            batch.keep(alive)
+            self._rows = [self._rows[i] for i in alive]
+            outbox += out
+            # Wake the loop only when someone waits for these tokens: a request ended, or one streams them.
+            # Posting after the rows are updated: whoever sees a request end sees its rows gone.
+            if len(alive) < len(out) or any(item[0].wake_each_step for item in out):
+                self._post(outbox)
+                outbox = []
+            if not self._rows or self._interrupt.is_set():
+                self._post(outbox)
+                return
+            waiting = self._waiting[0] if self._waiting else None  # appended to by the loop: read, never popped
+            if waiting is not None and self._admit.is_set() and len(self._rows) + waiting.spec.n <= limit:
+                self._post(outbox)
+                return
 
     async def _gate(self) -> None:
         while not self._step_gate.is_set():  # re-check: a pause may land between set() and our wake-up
             await self._step_gate.wait()
 
-    async def _step(self, state: dict[str, Any], params: RowParams) -> tuple[list[int], list[float], int]:
-        """One forward pass and the sampling of its logits: (tokens, log-probs, policy version)."""
-        await self._gate()
-        # A weight load waits for a running forward (pause waits on _forward_idle), so the version read
-        # here is the one the whole forward runs with; sampling reads only its logits, so the tokens are
-        # tagged with it even when a weight update landed since (keep mode).
-        version = self.policy_version
+    async def _threaded(self, fn: Any) -> Any:
+        """``fn()`` in the engine's thread; a keep-pause waits until it returns."""
         self._forward_idle.clear()
         try:
-            tokens, logps = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self._step_sync, state, params
-            )
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
         finally:
             self._forward_idle.set()
-        return tokens, logps, version
 
     def _step_sync(self, state: dict[str, Any], params: RowParams) -> tuple[list[int], list[float]]:
+        """One forward pass and the sampling of its logits: (tokens, log-probs); the engine's thread."""
         import torch
 
         with torch.inference_mode():
@@ -392,30 +423,39 @@ class TransformersEngine(Engine):
             )
             return out.logits[:, -1, :]
 
-    def _emit(self, rows: list[_Row], tokens: list[int], logps: list[float], version: int) -> list[int]:
-        """Hand each row's new token to its request; the indices of the rows that go on."""
-        alive = []
+    def _advance(self, rows: list[_Row], tokens: list[int], logps: list[float], version: int) -> tuple[list[int], list]:
+        """Record each row's new token and whether it finished (engine thread): the indices of the rows that
+        go on, and what :func:`_deliver` hands to the requests."""
+        alive, out = [], []
         for k, (r, tok, lp) in enumerate(zip(rows, tokens, logps, strict=True)):
             req, spec = r.req, r.req.spec
             if req.aborted:
-                req.put(r.index, None, 0.0, version, FINISH_ABORTED)
-            else:
-                r.generated.append(tok)
-                finish = 0
-                if tok in self._eos or (spec.stop and self._hit_stop(r.generated, spec.stop)):
-                    finish = FINISH_STOP
-                elif (
-                    len(r.generated) >= spec.max_tokens or len(req.prompt_ids) + len(r.generated) >= self.max_model_len
-                ):
-                    finish = FINISH_LENGTH
-                req.put(r.index, tok, lp, version, finish)
-                if not finish:
-                    alive.append(k)
-                    continue
-            if not req.open_rows:
-                req.close()
-        return alive
+                out.append((req, r.index, None, 0.0, version, FINISH_ABORTED))
+                continue
+            r.generated.append(tok)
+            finish = 0
+            if tok in self._eos or (spec.stop and self._hit_stop(r.generated, spec.stop)):
+                finish = FINISH_STOP
+            elif len(r.generated) >= spec.max_tokens or len(req.prompt_ids) + len(r.generated) >= self.max_model_len:
+                finish = FINISH_LENGTH
+            out.append((req, r.index, tok, lp, version, finish))
+            if not finish:
+                alive.append(k)
+        return alive, out
+
+    def _post(self, out: list) -> None:
+        assert self._loop is not None
+        if out:
+            self._loop.call_soon_threadsafe(_deliver, out)
 
     def _hit_stop(self, generated: list[int], stop: tuple[str, ...]) -> bool:
         tail = self.tokenizer.decode(generated[-32:], skip_special_tokens=True)
         return any(s in tail for s in stop)
+
+
+def _deliver(tokens: list[tuple[_Request, int, int | None, float, int, int]]) -> None:
+    """On the event loop: one step's tokens into their requests; a request with no open row ends."""
+    for req, index, token, logprob, version, finish in tokens:
+        req.put(index, token, logprob, version, finish)
+        if finish and not req.open_rows:
+            req.close()

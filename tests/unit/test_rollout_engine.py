@@ -182,17 +182,18 @@ async def test_a_request_joins_the_running_batch_and_leaves_it_when_done(engine)
     pass (the re-laid-out cache changes nothing a row sees)."""
     engine._eos.clear()  # rows run to max_tokens: the timing of who finishes first is then by construction
     prefills, widths = [], []
-    prefill, decode = engine._prefill, engine._decode
+    prefill, forward = engine._prefill, engine._forward_sync
 
     async def spy_prefill(requests):
         prefills.append(sum(r.spec.n for r in requests))
         return await prefill(requests)
 
-    async def spy_decode():  # the cache is never wider than the longest live row needs
-        widths.append((engine._batch.width, max(len(r.req.prompt_ids) + len(r.generated) for r in engine._rows)))
-        return await decode()
+    def spy_forward(state):  # each decode step: the cache is never wider than the longest live row needs
+        if state["cache"] is not None:
+            widths.append((state["mask"].shape[1], max(len(r.req.prompt_ids) + len(r.generated) for r in engine._rows)))
+        return forward(state)
 
-    engine._prefill, engine._decode = spy_prefill, spy_decode
+    engine._prefill, engine._forward_sync = spy_prefill, spy_forward
     short_prompt = engine.tokenizer("x")["input_ids"]
     long_prompt = engine.tokenizer("a much longer prompt than the running one")["input_ids"]
     running = asyncio.create_task(engine.generate(short_prompt, SamplingSpec(n=2, max_tokens=80, seed=4)))
@@ -202,7 +203,7 @@ async def test_a_request_joins_the_running_batch_and_leaves_it_when_done(engine)
     assert not running.done(), "the new request waited for the running batch to end"
     samples = await running
     assert prefills == [2, 1]
-    assert all(width <= longest for width, longest in widths)
+    assert len(widths) >= 79 and all(width <= longest for width, longest in widths)
     assert len(joined.token_ids) == 6 and all(len(s.token_ids) == 80 for s in samples)
     for prompt, s in [(long_prompt, joined), (short_prompt, samples[0]), (short_prompt, samples[1])]:
         ref = forward_logprobs(engine.model, prompt, s.token_ids)
