@@ -1,6 +1,7 @@
 """The rollout engine's speed: against ``model.generate`` on the same batch, and behind gRPC vs in-process.
 
     python bench/rollout.py [--quick] [--repeats N] [--model DIR] [--engine transformers|vllm]
+                            [--part all|generate|grpc] [--batch B] [--max-tokens T]
 
 **Engine vs ``model.generate``** (transformers engine only): one process of its own loads the model
 twice — the engine, and a plain Hugging Face model — and times, alternating which goes first, the same

@@ -347,7 +347,8 @@ class TransformersEngine(Engine):
     async def _decode(self) -> None:
         """Decode steps, back to back in the engine's thread, until the loop is needed: every row is done,
         a pause asks for the thread, or a waiting request fits in the batch. Tokens reach their requests
-        through the event loop after each step; the thread never waits for that."""
+        through the event loop when someone waits for them (a stream, after every step; ``generate``, once
+        its request ends); the thread never waits for that."""
         await self._gate()
         # Clear before the burst, with no await in between: a pause from here on interrupts it.
         self._interrupt.clear()
@@ -360,30 +361,31 @@ class TransformersEngine(Engine):
         assert batch is not None and batch.last is not None
         limit = self.ecfg.max_num_seqs
         outbox: list = []  # tokens not yet handed to the loop (nobody is waiting for them yet)
-        while True:
-            # A weight load happens only while the engine is paused, after this burst returned (pause waits
-            # on _forward_idle), so the version read here is the one this step's forward runs with.
-            version = self.policy_version
-            mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=-1)
-            state = {"cache": batch.cache, "ids": batch.last[:, None], "mask": mask, "pos": batch.pos[:, None]}
-            tokens, logps = self._step_sync(state, batch.params)
-            batch.mask, batch.pos, batch.last = mask, batch.pos + 1, state["next"]
-            alive, out = self._advance(self._rows, tokens, logps, version)
-            batch.keep(alive)
-            self._rows = [self._rows[i] for i in alive]
-            outbox += out
-            # Wake the loop only when someone waits for these tokens: a request ended, or one streams them.
-            # Posting after the rows are updated: whoever sees a request end sees its rows gone.
-            if len(alive) < len(out) or any(item[0].wake_each_step for item in out):
-                self._post(outbox)
-                outbox = []
-            if not self._rows or self._interrupt.is_set():
-                self._post(outbox)
-                return
-            waiting = self._waiting[0] if self._waiting else None  # appended to by the loop: read, never popped
-            if waiting is not None and self._admit.is_set() and len(self._rows) + waiting.spec.n <= limit:
-                self._post(outbox)
-                return
+        try:
+            while True:
+                # A weight load happens only while the engine is paused, after this burst returned (pause
+                # waits on _forward_idle), so the version read here is the one this step's forward runs with.
+                version = self.policy_version
+                mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=-1)
+                state = {"cache": batch.cache, "ids": batch.last[:, None], "mask": mask, "pos": batch.pos[:, None]}
+                tokens, logps = self._step_sync(state, batch.params)
+                batch.mask, batch.pos, batch.last = mask, batch.pos + 1, state["next"]
+                alive, out = self._advance(self._rows, tokens, logps, version)
+                batch.keep(alive)
+                self._rows = [self._rows[i] for i in alive]
+                outbox += out
+                # Wake the loop only when someone waits for these tokens: a request ended, or one streams
+                # them. Posted after the rows are updated: whoever sees a request end sees its rows gone.
+                if len(alive) < len(out) or any(item[0].wake_each_step for item in out):
+                    self._post(outbox)
+                    outbox = []
+                if not self._rows or self._interrupt.is_set():
+                    return
+                waiting = self._waiting[0] if self._waiting else None  # the loop appends during a burst, never pops
+                if waiting is not None and self._admit.is_set() and len(self._rows) + waiting.spec.n <= limit:
+                    return
+        finally:
+            self._post(outbox)  # also on a failure: what was generated reaches its requests before they end
 
     async def _gate(self) -> None:
         while not self._step_gate.is_set():  # re-check: a pause may land between set() and our wake-up

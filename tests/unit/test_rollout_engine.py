@@ -225,3 +225,21 @@ async def test_abort_of_one_request_leaves_the_others_running(engine) -> None:
     assert s.finish_reason == FINISH_LENGTH and len(s.token_ids) == 150
     torch.testing.assert_close(torch.tensor(s.logprobs), forward_logprobs(engine.model, ids, s.token_ids),
                                atol=1e-4, rtol=1e-4)  # fmt: skip
+
+
+async def test_a_failing_forward_aborts_its_rows_and_the_engine_serves_on(engine) -> None:
+    forward, calls = engine._forward_sync, []
+
+    def failing(state):  # the real forward, failing once in a decode step
+        calls.append(state["cache"] is None)
+        if len(calls) == 4:
+            raise RuntimeError("backend failure")
+        return forward(state)
+
+    engine._forward_sync = failing
+    ids = engine.tokenizer("fail")["input_ids"]
+    engine._eos.clear()
+    (s,) = await engine.generate(ids, SamplingSpec(n=1, max_tokens=20))
+    assert s.finish_reason == FINISH_ABORTED and len(s.token_ids) == 3  # what came before the failure is kept
+    (t,) = await engine.generate(ids, SamplingSpec(n=1, max_tokens=5))
+    assert t.finish_reason == FINISH_LENGTH and len(t.token_ids) == 5
