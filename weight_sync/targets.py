@@ -1,5 +1,10 @@
 """Where received weights land: a live ``torch.nn.Module`` in this process, or vLLM's workers.
 
+Every target implements one receiver interface (:class:`Target`); :func:`make_target` picks the class
+by the configured ``rollout.engine.type`` through :data:`TARGETS` — never by what attributes the engine
+object happens to have (an SGLang engine also has an ``.llm``, and must not receive vLLM's worker RPCs).
+A new engine adds its target class and one line to :data:`TARGETS`.
+
 The receiver's handshake logic is the same for every engine; only "start receiving", "finish and load"
 and "load a snapshot" differ. For the transformers engine the weights go straight into the module's
 parameters (``copy_`` in place, so tied embeddings — one Parameter under two names — stay tied and
@@ -170,9 +175,30 @@ class VllmTarget(Target):
         await self._rpc("tether_abort")
 
 
+class TargetUnavailable(NotImplementedError):
+    """This engine type cannot receive weight updates; the server answers weight-update RPCs UNIMPLEMENTED."""
+
+
+TARGETS: dict[str, type[Target]] = {"transformers": ModuleTarget, "vllm": VllmTarget}
+"""The receiver side of each ``rollout.engine.type`` that can follow the learner's weights."""
+
+UNAVAILABLE: dict[str, str] = {
+    "sglang": "weight sync into rollout.engine.type=sglang is not implemented: use rollout.engine.type=vllm "
+    "(or transformers) for servers that must follow the learner's weights",
+}
+"""Engine types with no target, and what to do instead (the server still serves generation)."""
+
+
 def make_target(engine, cfg: TetherConfig) -> Target:
-    if getattr(engine, "name", "") == "vllm" or hasattr(engine, "llm"):
-        return VllmTarget(engine, cfg)
-    if hasattr(engine, "model"):
-        return ModuleTarget(engine, cfg)
-    raise TypeError(f"weight sync cannot load into engine {getattr(engine, 'name', type(engine).__name__)!r}")
+    """The target of the configured engine type; an engine object of another type is a clear error."""
+    kind = cfg.rollout.engine.type
+    name = getattr(engine, "name", "") or kind
+    if name != kind:
+        raise TypeError(
+            f"weight sync: rollout.engine.type is {kind!r} but the engine is {name!r} — build the engine and the "
+            "receiver from the same config"
+        )
+    cls = TARGETS.get(kind)
+    if cls is None:
+        raise TargetUnavailable(UNAVAILABLE.get(kind, f"weight sync has no target for engine type {kind!r}"))
+    return cls(engine, cfg)

@@ -97,6 +97,7 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
             {
                 **sections,
                 "run": {"run_id": "vllm", "output_dir": str(Path(workdir) / "runs")},
+                "rollout": {"engine": {"type": "vllm"}},
                 "weight_sync": {
                     "transport": transport,
                     "bucket_size_mb": 0.1,
