@@ -129,8 +129,9 @@ class ProgressLine:
             else:
                 for row in self._new_rows():
                     self._show(row, force=False)
-                if self._last_row is not None and self._printed_step != self._last_row["step"]:
-                    self._show(self._last_row, force=True)
+                last = self._last_row_in_file()  # not only what the ticks saw: the file is whole now
+                if last is not None and self._printed_step != int(last["step"]):
+                    self._show(last, force=True)
             self.out.flush()
         self._drop_client()
 
@@ -194,6 +195,18 @@ class ProgressLine:
                 if row.get("reward/mean") is not None:
                     rows.append(row)
         return rows
+
+    def _last_row_in_file(self) -> dict[str, Any] | None:
+        """The last training row of metrics.jsonl, read whole (the run has ended, so nothing is half-written)."""
+        if self.metrics_path is None or not self.metrics_path.exists():
+            return self._last_row
+        last = self._last_row
+        for raw in self.metrics_path.read_bytes().splitlines():
+            with contextlib.suppress(ValueError):
+                row = json.loads(raw)
+                if row.get("reward/mean") is not None and (last is None or row["step"] >= last["step"]):
+                    last = row
+        return last
 
     def _drop_client(self) -> None:
         if self._client is not None:
