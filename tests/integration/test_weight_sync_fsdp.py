@@ -49,14 +49,22 @@ def worker() -> None:
     fully_shard(model, mesh=mesh)
     assert all(isinstance(p, DTensor) for p in model.parameters())
     sender = WeightSender(cfg, model=model, rank=rank, world_size=world, servers=os.environ["WS_SERVERS"].split(","))
-    metrics = sender.publish(1)
+    if os.environ.get("WS_BACKGROUND") == "1":
+        # Off the critical path: every rank gathers now, then trains on (changes its shards) while rank 0's
+        # thread still sends; the receivers must get the weights of the call.
+        assert sender.publish(1, background=True) == {}
+        _perturb(model)
+        metrics = sender.wait()
+    else:
+        metrics = sender.publish(1)
     if rank == 0:
         Path(os.environ["WS_OUT"]).write_text(json.dumps({"metrics": metrics, "dropped": sender.last_dropped}))
         sender.close()
     dist.destroy_process_group()
 
 
-def test_fsdp2_sharded_learner_publishes_full_weights(tmp_path: Path, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("background", [False, True])
+def test_fsdp2_sharded_learner_publishes_full_weights(tmp_path: Path, tiny_model_dir: Path, background: bool) -> None:
     from weight_sync.snapshot import latest_snapshot, read_snapshot
     from weight_sync.standalone import ModelEngine, ReceiverProcess
 
@@ -88,6 +96,7 @@ def test_fsdp2_sharded_learner_publishes_full_weights(tmp_path: Path, tiny_model
         "WS_OUT": str(out),
         "OMP_NUM_THREADS": "1",
         "WS_SERVERS": ",".join(r.address for r in receivers),
+        "WS_BACKGROUND": str(int(background)),
     }
     try:
         ranks = [
@@ -108,6 +117,7 @@ def test_fsdp2_sharded_learner_publishes_full_weights(tmp_path: Path, tiny_model
     result = json.loads(out.read_text())
     # verify_checksums: a receiver counts as reached only when its loaded tensors' sums match the learner's.
     assert result["metrics"]["weight_sync/reached"] == 2, result["dropped"]
+    assert result["metrics"]["weight_sync/background"] == float(background)
     expected = ModelEngine.from_path(tiny_model_dir).model
     _perturb(expected)
     full = dict(expected.named_parameters())
