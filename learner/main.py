@@ -251,7 +251,8 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
                 live.update(state.step, state.version, out)
                 if evaluator is not None:  # asynchronous: results of earlier rounds are logged as they arrive
                     evaluator.poll()
-                    evaluator.maybe_start(state.step, state.version)
+                    # The version the servers hold: one behind the learner's while a publication is in flight.
+                    evaluator.maybe_start(state.step, published)
             if checkpoint_due:
                 checkpoint()
                 saved_at = state.step
