@@ -7,7 +7,8 @@ to every rank; all ranks train (:class:`learner.trainer.Trainer`); rank 0 acknow
 the optimizer step; every ``weight_sync.sync_every`` steps all ranks publish the weights as version v+1
 and rank 0 then records the version in Redis. With ``max_staleness`` ≥ 1 (and ``weight_sync.async_publish``)
 the publication is packed at once and sent while the next step trains; it is waited for at the end of that
-step (at most one in flight), and admission counts from the version the servers hold until then.
+step (at most one in flight); admission counts from the version the servers hold, and the prompts a new
+version allows are fed the moment its commit is over (from the publication thread).
 Checkpoints every ``checkpoint_every`` steps and at the end.
 """
 
@@ -169,9 +170,23 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
     published = state.version  # the newest version the servers are known to hold (admission counts from it)
     pending: tuple[int, dict[str, float]] | None = None  # (step, metrics) of the publication in flight
 
+    def committed(report: dict[str, float]) -> None:
+        """On the publication thread, the moment the servers hold the version: record it, and admit the
+        prompts it allows right away (in sync mode that happens before the next step, so must this)."""
+        nonlocal published
+        published = int(report["weight_sync/version"])
+        publish_version(client, feed.keys, published)
+        try:
+            feed.feed(published)
+        except redis.RedisError as e:  # the next read feeds again; nothing is lost by waiting for it
+            log.warning("redis_unavailable", during="feed after publish", error=str(e))
+
+    def servers_version() -> int:
+        return published
+
     def settle() -> float:
-        """Wait for the publication in flight (if any), record its version, log its step's row; seconds waited."""
-        nonlocal pending, published
+        """Wait for the publication in flight (if any), log its step's row; seconds waited."""
+        nonlocal pending
         if pending is None:
             return 0.0
         start = time.perf_counter()
@@ -180,8 +195,6 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
         step, row = pending
         pending = None
         if rank == 0:
-            published = int(report["weight_sync/version"])
-            publish_version(client, feed.keys, published)
             row.update(report)
             metrics.log(row, step=step)
         return waited
@@ -193,7 +206,9 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
             if rank == 0:
                 try:
                     batch = feed.next_batch(
-                        state.version, stop_requested=lambda: stop_signal.requested, admission_version=published
+                        state.version,
+                        stop_requested=lambda: stop_signal.requested,
+                        admission_version=servers_version,
                     )
                 except DataTimeout as e:
                     log.error("data_timeout", error=str(e))
@@ -221,7 +236,9 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
                 # checkpoint's version, must be what Redis and the snapshots say.
                 background = background_ok and state.step < lc.total_steps and not checkpoint_due
                 with nvtx("weight_sync"):
-                    report = sender.publish(state.version + 1, background=background)
+                    report = sender.publish(
+                        state.version + 1, background=background, on_done=committed if rank == 0 else None
+                    )
                 state.version += 1
                 if rank == 0 and not background:
                     published = state.version

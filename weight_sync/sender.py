@@ -106,14 +106,23 @@ class WeightSender:
             return list(self.servers())
         return list(self.servers or [])
 
-    def publish(self, version: int, *, snapshot: bool = False, background: bool = False) -> dict[str, float]:
+    def publish(
+        self,
+        version: int,
+        *,
+        snapshot: bool = False,
+        background: bool = False,
+        on_done: Callable[[dict[str, float]], None] | None = None,
+    ) -> dict[str, float]:
         """Push the model's current weights as ``version`` to every live server (call on every rank);
         ``snapshot`` also writes them as that version's filesystem snapshot, whatever the schedule.
 
         ``background``: gather and pack now (the only part that reads the model, so the caller may change
         the weights as soon as this returns), then run the handshake, the transfer and the snapshot on a
-        thread of rank 0 and return ``{}`` at once; :meth:`wait` returns the metrics. One publication at
-        a time: call :meth:`wait` before the next one (versions reach servers in order).
+        thread of rank 0 and return ``{}`` at once; :meth:`wait` returns the metrics, and ``on_done(metrics)``
+        runs on that thread as soon as the commit is over (the learner admits prompts for the new version
+        then, not a step later). One publication at a time: call :meth:`wait` before the next one
+        (versions reach servers in order).
         """
         if self._background is not None:
             raise RuntimeError(
@@ -139,7 +148,7 @@ class WeightSender:
                 self._gather(on_full=lambda slot, flat: staged.append((slot, flat)))
                 if self.transport.device.type == "cuda":  # packed on this thread's stream; sent from another
                     torch.cuda.current_stream().synchronize()
-            future = self._executor.submit(self._deliver, version, servers, snapshot_due, staged, start)
+            future = self._executor.submit(self._deliver, version, servers, snapshot_due, staged, start, on_done)
             self._background = (version, future)
             return {}
         return self._deliver(version, servers, snapshot_due, None, start)
@@ -166,6 +175,7 @@ class WeightSender:
         snapshot_due: bool,
         staged: list[tuple[torch.Tensor, torch.Tensor]] | None,
         start: float,
+        on_done: Callable[[dict[str, float]], None] | None = None,
     ) -> dict[str, float]:
         """Rank 0: prepare → begin → send (gathering now when ``staged`` is None, else the staged buckets)
         → snapshot → commit → metrics."""
@@ -242,6 +252,8 @@ class WeightSender:
             seconds=round(seconds, 3),
             background=staged is not None,
         )
+        if on_done is not None:
+            on_done(metrics)
         return metrics
 
     def _agree(self, gather: bool) -> bool:

@@ -56,9 +56,10 @@ def test_background_publish_returns_before_the_update_lands_and_sends_the_weight
     sent = {name: p.detach().clone() for name, p in learner.named_parameters()}
     sender = WeightSender(cfg, model=learner, servers=[address])
     try:
-        assert sender.publish(1, background=True) == {}
+        done: list[dict] = []
+        assert sender.publish(1, background=True, on_done=done.append) == {}
         # Returned with the receiver still held before its pause: nothing of version 1 has landed.
-        assert sender.in_flight == 1 and engine.policy_version == 0 and engine.pauses == 0
+        assert sender.in_flight == 1 and engine.policy_version == 0 and engine.pauses == 0 and done == []
         with pytest.raises(RuntimeError, match="still in flight"):
             sender.publish(2, background=True)  # one at a time: versions stay in order
         with torch.no_grad():  # the next optimizer step, while version 1 is on its way
@@ -67,6 +68,7 @@ def test_background_publish_returns_before_the_update_lands_and_sends_the_weight
         engine.gate.set()
         metrics = sender.wait()
         assert metrics["weight_sync/reached"] == 1 and metrics["weight_sync/background"] == 1, sender.last_dropped
+        assert done == [metrics]  # the learner's hook ran once the commit was over (it feeds prompts there)
         assert sender.in_flight is None and engine.policy_version == 1 and engine.paused is None
         for name, param in engine.model.named_parameters():
             torch.testing.assert_close(param, sent[name], rtol=0, atol=0)  # the weights at the call, not after
