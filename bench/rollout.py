@@ -1,6 +1,18 @@
-"""gRPC serving overhead: generated tokens/s through ``Rollout.Generate`` vs the same engine in-process.
+"""The rollout engine's speed: against ``model.generate`` on the same batch, and behind gRPC vs in-process.
 
     python bench/rollout.py [--quick] [--repeats N] [--model DIR] [--engine transformers|vllm]
+                            [--part all|generate|grpc] [--batch B] [--max-tokens T]
+
+**Engine vs ``model.generate``** (transformers engine only): one process of its own loads the model
+twice — the engine, and a plain Hugging Face model — and times, alternating which goes first, the same
+batch of ``--batch`` prompts (64; 16 with ``--quick``) on both: all submitted to the engine at once
+(``engine.generate`` per prompt, gathered), and one left-padded ``model.generate`` call with the same
+sampling (``do_sample``, temperature 1, no top-k / top-p) and the same ``max_new_tokens``; both stop a
+row at EOS. The figure ``rollout/engine_vs_generate`` (goal ≥ 1.0) is generated tokens/s of the engine
+÷ that of ``model.generate``, per repeat; the engine also computes each token's log-prob and policy
+version, which ``model.generate`` does not.
+
+**gRPC vs in-process**:
 
 Both sides use the same engine type, settings and prompts in one run, and on both sides the load comes
 from a process of its own that does nothing else:
@@ -48,7 +60,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="", help="local HF model folder (default: a tiny model built now)")
     p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
     p.add_argument("--max-tokens", type=int, default=0, help="tokens per request (default 16 quick / 64)")
-    p.add_argument("--worker", choices=["local", "remote"], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--batch", type=int, default=0, help="prompts of the engine vs generate batch (default 16 quick / 64)"
+    )
+    p.add_argument("--part", default="all", choices=["all", "generate", "grpc"], help="which comparison to run")
+    p.add_argument("--worker", choices=["local", "remote", "versus"], help=argparse.SUPPRESS)
     p.add_argument("--address", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -81,13 +97,67 @@ async def drive(call, n_requests: int, concurrency: int) -> tuple[int, float]:  
     return total, time.perf_counter() - start
 
 
+def prompt_texts(count: int) -> list[str]:
+    return [f"prompt number {i}: " for i in range(count)]
+
+
+async def versus_worker(args: argparse.Namespace) -> int:
+    """The engine and ``model.generate`` in one process: answer ``{"side", "n"}`` with (tokens, seconds)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollout_server.engines import SamplingSpec, build_engine
+    from tether.config import load_config
+
+    engine = build_engine(load_config(None, overrides(args.model, args.engine, args.max_tokens)))
+    await engine.start()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=engine.model.dtype).to(engine.device).eval()
+    tok = engine.tokenizer
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompt_texts(args.batch)]
+    spec = SamplingSpec(n=1, temperature=1.0, max_tokens=args.max_tokens)
+    pad = tok.pad_token_id
+    width = max(map(len, ids))
+    batch = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=engine.device)
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=engine.device)
+    eos = engine.model.generation_config.eos_token_id
+
+    async def run_engine() -> int:
+        outs = await asyncio.gather(*(engine.generate(x, spec) for x in ids))
+        return sum(len(s.token_ids) for (s,) in outs)
+
+    def run_generate() -> int:
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=batch, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                max_new_tokens=args.max_tokens, eos_token_id=eos, pad_token_id=pad,
+            )  # fmt: skip
+        new = out[:, width:]
+        # Tokens up to and including each row's EOS, as the engine counts them.
+        done = (new == eos).int().cumsum(-1)
+        return int(((done == 0) | ((done == 1) & (new == eos))).sum())
+
+    await run_engine()  # warm-up of both
+    run_generate()
+    print(RESULT + json.dumps({"ready": True}), flush=True)
+    loop = asyncio.get_running_loop()
+    try:
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            side = json.loads(line)["side"]
+            start = time.perf_counter()
+            tokens = await run_engine() if side == "engine" else run_generate()
+            print(RESULT + json.dumps({"tokens": tokens, "seconds": time.perf_counter() - start}), flush=True)
+    finally:
+        await engine.shutdown()
+    return 0
+
+
 async def serve_worker(args: argparse.Namespace) -> int:
     """A load process: warm up, say ready, then answer one ``{"n", "c"}`` line on stdin per run."""
     from rollout_server.engines import SamplingSpec, build_engine
     from tether.config import load_config
 
     cfg = load_config(None, overrides(args.model, args.engine, args.max_tokens))
-    prompts = [f"prompt number {i}: " for i in range(256)]
+    prompts = prompt_texts(256)
     if args.worker == "local":
         engine = build_engine(cfg)
         await engine.start()
@@ -131,7 +201,8 @@ class Worker:
 
     def __init__(self, args: argparse.Namespace, side: str, model: str, max_tokens: int, address: str = "") -> None:
         cmd = [sys.executable, __file__, "--worker", side, "--model", model, "--engine", args.engine]
-        cmd += ["--max-tokens", str(max_tokens), *(["--address", address] if address else [])]
+        cmd += ["--max-tokens", str(max_tokens), "--batch", str(args.batch)]
+        cmd += ["--address", address] if address else []
         self.side = side
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._answer()  # ready
@@ -143,10 +214,10 @@ class Worker:
                 return json.loads(line[len(RESULT) :])
         raise RuntimeError(f"the {self.side} load process exited ({self.proc.wait()}) without answering")
 
-    def run(self, n: int, c: int) -> float:
-        """Generated tokens/s of ``n`` requests from ``c`` concurrent clients."""
+    def run(self, **job: object) -> float:
+        """Generated tokens/s of one job (``n`` requests from ``c`` clients; or one ``side`` of the versus)."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"n": n, "c": c}) + "\n")
+        self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         out = self._answer()
         return out["tokens"] / out["seconds"]
@@ -164,13 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     max_tokens = args.max_tokens or (16 if args.quick else 64)
     args.max_tokens = max_tokens
+    args.batch = args.batch or (16 if args.quick else 64)
+    if args.worker == "versus":
+        return asyncio.run(versus_worker(args))
     if args.worker:
         return asyncio.run(serve_worker(args))
     repeats = max(3, args.repeats or 3)
-
-    from rollout_server.launch import spawn_server
-    from tether.redis_server import free_port
-
     tmp = Path(tempfile.mkdtemp(prefix="tether-bench-"))
     model = args.model
     if not model:
@@ -178,6 +248,47 @@ def main(argv: list[str] | None = None) -> int:
 
         model = str(make_tiny_model(tmp / "tiny", hidden=128, layers=2, heads=4, seed=0))
     print(f"engine={args.engine} model={model} max_tokens={max_tokens} quick={args.quick} repeats={repeats}")
+    figures = []
+    if args.engine == "transformers" and args.part in ("all", "generate"):
+        figures.append(engine_vs_generate(args, model, repeats))
+    if args.part in ("all", "grpc"):
+        figures += grpc_vs_inprocess(args, model, repeats, tmp)
+    print()
+    for fig in figures:
+        report(fig, quick=args.quick)
+    return 0
+
+
+def engine_vs_generate(args: argparse.Namespace, model: str, repeats: int):  # type: ignore[no-untyped-def]
+    """The figure ``rollout/engine_vs_generate``: see the module docstring."""
+    print(f"engine vs model.generate: {args.batch} prompts x {args.max_tokens} tokens, one process ...", flush=True)
+    worker = Worker(args, "versus", model, args.max_tokens)
+    rates: dict[str, list[float]] = {"engine": [], "generate": []}
+    try:
+        for k in range(repeats):
+            for side in ordered(["engine", "generate"], k):
+                rates[side].append(worker.run(side=side))
+    finally:
+        worker.close()
+    ratios = [e / g for e, g in zip(rates["engine"], rates["generate"], strict=True)]
+    print(f"  engine {statistics.median(rates['engine']):9.1f} tok/s, model.generate "
+          f"{statistics.median(rates['generate']):9.1f} tok/s (medians)", flush=True)  # fmt: skip
+    return figure(
+        "rollout/engine_vs_generate",
+        ratios,
+        goal=1.0,
+        direction="min",
+        baseline=f"HF model.generate on the same batch ({args.batch} prompts, {args.max_tokens} new tokens, "
+        "do_sample, temperature 1, no top-k/top-p), same process",
+    )
+
+
+def grpc_vs_inprocess(args: argparse.Namespace, model: str, repeats: int, tmp: Path):  # type: ignore[no-untyped-def]
+    """The figures ``rollout/grpc_vs_inprocess_<c>clients``: see the module docstring."""
+    from rollout_server.launch import spawn_server
+    from tether.redis_server import free_port
+
+    max_tokens = args.max_tokens
     print("starting the rollout server process and the two load processes ...", flush=True)
     server = spawn_server(overrides(model, args.engine, max_tokens), port=free_port(), log_path=tmp / "server.log",
                           wait_s=600)  # fmt: skip
@@ -191,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             rates: dict[str, list[float]] = {"local": [], "remote": []}
             for _ in range(repeats):
                 for side in ordered(["local", "remote"], turn):
-                    rates[side].append(workers[side].run(n_requests, c))
+                    rates[side].append(workers[side].run(n=n_requests, c=c))
                 turn += 1
             rows.append((c, n_requests, rates))
             print(f"  {c:>3} clients: in-process {statistics.median(rates['local']):9.1f} tok/s, "
@@ -218,10 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         figures.append(fig)
         local, remote = statistics.median(rates["local"]), statistics.median(rates["remote"])
         print(f"| {c:>7} | {n:>8} | {local:>16.1f} | {remote:>10.1f} | {fig.ratio:>21.3f} |")
-    print()
-    for fig in figures:
-        report(fig, quick=args.quick)
-    return 0
+    return figures
 
 
 if __name__ == "__main__":

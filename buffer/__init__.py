@@ -6,8 +6,10 @@ optimizer step that used it) and ``dead_letter``; plus the published version, th
 counters. No pickle: payloads are protobuf, registry entries JSON.
 """
 
-from buffer.codec import admission_allowance, decode_payload, encode_payload
+from buffer.codec import decode_payload, encode_payload
+from buffer.dead_letter import dead_letter
 from buffer.keys import LEARNER_GROUP, PROMPT_GROUP, RedisKeys
+from buffer.policy import admission_allowance, staleness_of
 from buffer.prompts import PromptQueue
 from buffer.reader import BufferedGroup, TrajectoryReader
 from buffer.registry import ServerInfo, ServerRegistry, publish_version, read_version
@@ -27,8 +29,10 @@ __all__ = [
     "TrajectoryWriter",
     "admission_allowance",
     "buffer_stats",
+    "dead_letter",
     "decode_payload",
     "encode_payload",
     "publish_version",
     "read_version",
+    "staleness_of",
 ]

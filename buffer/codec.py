@@ -1,4 +1,5 @@
-"""How one trajectory group is laid out in Redis, and the pure arithmetic of admission.
+"""How one trajectory group is laid out in Redis (the rules that decide what happens to it are in
+:mod:`buffer.policy`).
 
 A trajectories-stream entry is a small header: ``g`` (group id), ``v`` (the oldest policy version, so a
 stale group is dropped without fetching or parsing its payload), ``n`` (payload bytes, so the byte bound
@@ -125,23 +126,3 @@ def read_header(fields: Mapping[bytes, bytes]) -> EntryHeader:
         nbytes=_plausible_bytes(_int_or_none(fields.get(F_BYTES))),
         nonce=fields.get(F_NONCE, b"").decode("ascii", "replace"),
     )
-
-
-def admission_allowance(issued: int, *, version: int, prompts_per_version: int, max_staleness: int) -> int:
-    """Prompts that may be issued now under AReaL's rule ``issued ≤ (max_staleness + version + 1)·B``.
-
-    With ``max_staleness = 0`` exactly one version's worth is ever ahead of the learner: synchronous RL.
-    """
-    if prompts_per_version <= 0:
-        raise ValueError(f"prompts_per_version must be positive, got {prompts_per_version}")
-    if max_staleness < 0 or version < 0:
-        raise ValueError(f"max_staleness and version must be >= 0, got {max_staleness} and {version}")
-    return max(0, (max_staleness + version + 1) * prompts_per_version - issued)
-
-
-def staleness_of(oldest_version: int, current_version: int) -> int:
-    """Versions the learner is ahead of a group's oldest token; a group with no tokens, or one tagged with a
-    version the learner has not reached (a learner resumed from an older checkpoint), counts as fresh."""
-    if oldest_version < 0:
-        return 0
-    return max(0, current_version - oldest_version)

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 
 import redis
 
+from buffer.dead_letter import ROLLOUT_DEAD_LETTER
 from buffer.keys import RedisKeys
 from buffer.registry import ServerRegistry
 from tether.config import TetherConfig
 
-_DEAD = ("dead_letter", "prompts_dead_letter", "rollout_dead_letter")
+_DEAD = ("dead_letter", "prompts_dead_letter", ROLLOUT_DEAD_LETTER)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import redis
 from google.protobuf.message import DecodeError
 
 from buffer.codec import F_DATA, decode_group_payload, read_header
+from buffer.dead_letter import ROLLOUT_DEAD_LETTER
 from buffer.keys import RedisKeys
 from tether.logs import get_logger
 from tether.trajectory import InvalidTrajectory
@@ -212,7 +213,7 @@ def books(counters: dict[str, int], *, in_stream: int) -> dict[str, int | bool]:
         out[k] = counters.get(k, 0)
     out["in_stream"] = in_stream
     out["balanced"] = out["produced"] == sum(out[k] for k in BOOK_TERMS) + in_stream
-    for k in ("prompts_issued", "prompts_reissued", "prompts_dead_letter", "rollout_dead_letter", "duplicates"):
+    for k in ("prompts_issued", "prompts_reissued", "prompts_dead_letter", ROLLOUT_DEAD_LETTER, "duplicates"):
         out[k] = counters.get(k, 0)
     return out
 

@@ -16,8 +16,9 @@ from collections.abc import Iterator
 import redis
 from google.protobuf.message import DecodeError
 
-from buffer.codec import admission_allowance
+from buffer.dead_letter import ROLLOUT_DEAD_LETTER
 from buffer.keys import PROMPT_GROUP, RedisKeys
+from buffer.policy import DROPPED_STALE, admission_allowance
 from buffer.scripts import Scripts, ensure_group
 from buffer.settle import Settlement
 from tether.logs import get_logger
@@ -28,8 +29,8 @@ log = get_logger(__name__)
 _F_PROMPT = b"p"
 _ISSUED = "prompts_issued"
 # Counters of prompts (or their groups) that ended without training data; see ``feed``.
-# ``rollout_dead_letter``: groups a rollout server dead-lettered (reward failed, bad prompt).
-_WASTED = ("dropped_stale", "dead_letter", "prompts_dead_letter", "rollout_dead_letter")
+# ROLLOUT_DEAD_LETTER: groups a rollout server dead-lettered (reward failed, bad prompt).
+_WASTED = (DROPPED_STALE, "dead_letter", "prompts_dead_letter", ROLLOUT_DEAD_LETTER)
 
 
 def _sid(raw: bytes | str) -> str:

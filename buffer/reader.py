@@ -21,21 +21,16 @@ from dataclasses import dataclass
 
 import redis
 
-from buffer.codec import F_DATA, EntryHeader, decode_group_payload, read_header, staleness_of
+from buffer.codec import F_DATA, EntryHeader, decode_group_payload, read_header
 from buffer.keys import LEARNER_GROUP, RedisKeys
+from buffer.policy import stale_counter, staleness_of
 from buffer.scripts import Scripts, ensure_group
 from buffer.settle import Settlement
 from tether.config.buffer import BufferConfig
 from tether.logs import get_logger
-from tether.trajectory import PROMPT_GROUP_PREFIX, GroupData, InvalidTrajectory
+from tether.trajectory import GroupData, InvalidTrajectory
 
 log = get_logger(__name__)
-
-
-def _stale_counter(head: EntryHeader) -> str:
-    # Admission control (buffer.prompts) gives back one slot per ``dropped_stale``: only groups born from
-    # an issued prompt may count there, or stale episode groups would loosen the bound for good.
-    return "dropped_stale" if head.group_id.startswith(PROMPT_GROUP_PREFIX) else "dropped_stale_env"
 
 
 _RECOVER_PAGE = 256
@@ -178,7 +173,7 @@ class TrajectoryReader:
                 settle.add("dead_letter", eid, nbytes=head.nbytes, reason=reason, nonce=head.nonce)
                 continue
             if head.oldest_version is not None and staleness_of(head.oldest_version, current_version) > max_staleness:
-                settle.add(_stale_counter(head), eid, nbytes=head.nbytes, nonce=head.nonce)  # never fetched
+                settle.add(stale_counter(head.group_id), eid, nbytes=head.nbytes, nonce=head.nonce)  # never fetched
                 continue
             wanted.append((eid, head, None if head.nonce else fields.get(F_DATA, b"")))
         # The payloads of everything worth decoding, in one round trip.
@@ -195,7 +190,7 @@ class TrajectoryReader:
                 continue
             lag = staleness_of(oldest, current_version)
             if lag > max_staleness:  # the header lied or was missing: the payload is what counts
-                settle.add(_stale_counter(head), eid, nbytes=head.nbytes, nonce=head.nonce)
+                settle.add(stale_counter(head.group_id), eid, nbytes=head.nbytes, nonce=head.nonce)
                 continue
             self._inflight[eid] = (head.nbytes, lag, head.nonce)
             good.append(BufferedGroup(entry_id=eid, group=group, staleness=lag))

@@ -9,8 +9,11 @@ one, and :func:`tether.trajectory.validate` costs ~5 numpy calls per trajectory.
 out numpy views into the payload (no copy), and both validate the whole group at once
 (:func:`tether.trajectory.validate_group`: the same checks and error messages, a handful of numpy calls).
 
-Only the hot fields are handled by hand; the rare ones (maps, timestamps) are encoded and decoded by
-the generated classes, and anything unexpected on the wire (an unknown field, a wire type that does not
+Every field a rollout server writes is encoded by hand (maps and timestamps too: each sample carries its
+sampling temperature and its start and finish times, and building a generated message for those cost
+more than the rest of the trajectory); a value of an unexpected type goes to the generated classes. On
+the way out the rare fields (maps, timestamps) are parsed by the generated parser, which is as fast for
+them, and anything unexpected on the wire (an unknown field, a wire type that does not
 match) falls back to :func:`tether.trajectory.decode_group`, so this module is never more permissive
 than the generated parser. ``tests/unit/test_buffer_codec.py`` compares both paths message for message.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import struct
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from tether.trajectory import (
     LOGPROB_DTYPE,
@@ -44,7 +48,8 @@ _ARRAYS = (  # (field number, attribute, dtype) of the per-token byte fields, in
 _ARRAY_TAGS = tuple(bytes((num << 3 | 2,)) for num, _, _ in _ARRAYS)
 _BY_FIELD = {f: (name, dtype, dtype.itemsize) for f, name, dtype in _ARRAYS}
 _STRINGS = {1: "id", 2: "group_id", 11: "server_id", 15: "logprob_source"}
-_RARE = frozenset((9, 12, 13, 14))  # reward_components, metadata, started_at, finished_at
+_RARE = frozenset((9, 12, 13, 14))  # reward_components, started_at, finished_at, metadata: decoded by upb
+_MAX_TIMESTAMP_S = 253_402_300_800  # 10000-01-01: google.protobuf.Timestamp's range ends before it
 _DOUBLE = struct.Struct("<d")
 _ONE_BYTE = [bytes((i,)) for i in range(128)]
 # proto3 defaults, not TrajectoryData's (which would invent an id and say "raw" for a missing source).
@@ -58,6 +63,11 @@ class _Fallback(Exception):
 def _varint(n: int) -> bytes:
     if n < 0x80:
         return _ONE_BYTE[n]
+    # Array lengths of 128 B .. 2 MB (every per-token field of a real completion): no loop, no bytearray.
+    if n < 0x4000:
+        return bytes((n & 0x7F | 0x80, n >> 7))
+    if n < 0x200000:
+        return bytes((n & 0x7F | 0x80, n >> 7 & 0x7F | 0x80, n >> 14))
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
@@ -68,9 +78,55 @@ def _varint(n: int) -> bytes:
 
 def _wire_array(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``arr`` itself when it already is the wire layout (the usual case), else a converted copy."""
-    if type(arr) is np.ndarray and arr.dtype == dtype and arr.flags.c_contiguous:
+    # ``is`` first: numpy hands out one dtype instance per builtin type, and ``==`` costs ~10x more.
+    if type(arr) is np.ndarray and (arr.dtype is dtype or arr.dtype == dtype) and arr.flags.c_contiguous:
         return arr
     return np.ascontiguousarray(np.asarray(arr), dtype=dtype)
+
+
+def _map_entry(tag: bytes, key: str, value: bytes) -> bytes:
+    """One entry of a ``map<string, …>`` field; ``value`` is the entry's field 2, tag included."""
+    kb = key.encode()
+    entry = b"\x0a" + _varint(len(kb)) + kb + value
+    return tag + _varint(len(entry)) + entry
+
+
+def _string_map(tag: bytes, items: dict[str, str]) -> bytes:
+    out = b""
+    for k, v in items.items():
+        vb = v.encode()
+        out += _map_entry(tag, k, b"\x12" + _varint(len(vb)) + vb)
+    return out
+
+
+def _timestamp(tag: bytes, when: float) -> bytes:
+    seconds, nanos = divmod(int(when * 1e9), 1_000_000_000)  # what Timestamp.FromNanoseconds stores
+    if not 0 <= seconds < _MAX_TIMESTAMP_S:
+        raise _Fallback  # before 1970 or past 9999: the generated classes decide (and refuse)
+    body = (b"\x08" + _varint(seconds) if seconds else b"") + (b"\x10" + _varint(nanos) if nanos else b"")
+    return tag + _varint(len(body)) + body
+
+
+def _rare_fields(t: TrajectoryData) -> bytes:
+    """reward_components, started_at, finished_at and metadata, by hand: the generated classes cost more
+    than the rest of a trajectory's encoding. Anything unusual (a non-string key, a value of the wrong
+    type, a timestamp out of range) goes to the generated classes, which encode it or raise their error."""
+    try:
+        out = b""
+        for k, v in t.reward_components.items():
+            out += _map_entry(b"\x4a", k, b"\x11" + _DOUBLE.pack(v))
+        if t.started_at:
+            out += _timestamp(b"\x62", t.started_at)
+        if t.finished_at:
+            out += _timestamp(b"\x6a", t.finished_at)
+        return out + _string_map(b"\x72", t.metadata)
+    except (_Fallback, AttributeError, TypeError, ValueError, OverflowError, struct.error):
+        rare = pb.Trajectory(reward_components=t.reward_components, metadata=t.metadata)
+        if t.started_at:
+            rare.started_at.FromNanoseconds(int(t.started_at * 1e9))
+        if t.finished_at:
+            rare.finished_at.FromNanoseconds(int(t.finished_at * 1e9))
+        return rare.SerializeToString()
 
 
 def _encode_trajectory(t: TrajectoryData, arrays: list[np.ndarray], group_field: bytes, parts: list) -> None:
@@ -81,29 +137,20 @@ def _encode_trajectory(t: TrajectoryData, arrays: list[np.ndarray], group_field:
     for tag, arr in zip(_ARRAY_TAGS, arrays, strict=True):
         if n := arr.nbytes:
             field = tag + _varint(n)
-            body.append(field)
-            body.append(arr)  # joined straight from the array's buffer: no copy until the final join
+            body += (field, arr)  # joined straight from the array's buffer: no copy until the final join
             size += len(field) + n
-    tail = b""
-    if t.reward:
-        tail += b"\x41" + _DOUBLE.pack(float(t.reward))
+    tail = b"\x41" + _DOUBLE.pack(float(t.reward)) if t.reward else b""
     if t.finish_reason:
         tail += b"\x50" + _varint(int(t.finish_reason))
-    for tag, value in ((b"\x5a", t.server_id), (b"\x7a", t.logprob_source)):
-        if value:
-            raw = value.encode()
-            tail += tag + _varint(len(raw)) + raw
-    if t.reward_components or t.metadata or t.started_at or t.finished_at:
-        rare = pb.Trajectory(reward_components=t.reward_components, metadata=t.metadata)
-        if t.started_at:
-            rare.started_at.FromNanoseconds(int(t.started_at * 1e9))
-        if t.finished_at:
-            rare.finished_at.FromNanoseconds(int(t.finished_at * 1e9))
-        tail += rare.SerializeToString()  # fields may come in any order on the wire
-    body.append(tail)
-    size += len(tail)
-    parts.append(b"\x1a" + _varint(size))
-    parts.extend(body)
+    if t.server_id:
+        raw = t.server_id.encode()
+        tail += b"\x5a" + _varint(len(raw)) + raw
+    if t.logprob_source:
+        raw = t.logprob_source.encode()
+        tail += b"\x7a" + _varint(len(raw)) + raw
+    if t.reward_components or t.metadata or t.started_at or t.finished_at:  # every rollout server's sample
+        tail += _rare_fields(t)  # fields may come in any order on the wire
+    parts += (b"\x1a" + _varint(size + len(tail)), *body, tail)
 
 
 def encode_group_checked(g: GroupData) -> tuple[bytes, int, int]:
@@ -134,7 +181,10 @@ def encode_group_checked(g: GroupData) -> tuple[bytes, int, int]:
             _encode_trajectory(t, wire, b"\x12" + _varint(len(own)) + own, parts)
         tokens += wire[1].shape[0]
     if g.metadata:
-        parts.append(pb.TrajectoryGroup(metadata=g.metadata).SerializeToString())
+        try:
+            parts.append(_string_map(b"\x22", g.metadata))
+        except (AttributeError, TypeError, ValueError):  # not str -> str: the generated classes say why
+            parts.append(pb.TrajectoryGroup(metadata=g.metadata).SerializeToString())
     return b"".join(parts), oldest, tokens
 
 
@@ -173,10 +223,13 @@ def _decode_trajectory(data: bytes, pos: int, end: int) -> TrajectoryData:
             if pos >= end:
                 raise _Fallback
             n = data[pos]
-            if n & 0x80:
-                n, pos = _read_varint(data, pos, end)
-            else:
+            if not n & 0x80:
                 pos += 1
+            elif pos + 1 < end and not data[pos + 1] & 0x80:  # 128 B .. 16 KB: most per-token arrays
+                n = (n & 0x7F) | data[pos + 1] << 7
+                pos += 2
+            else:
+                n, pos = _read_varint(data, pos, end)
             stop = pos + n
             if stop > end:
                 raise _Fallback
@@ -185,7 +238,7 @@ def _decode_trajectory(data: bytes, pos: int, end: int) -> TrajectoryData:
                 name, dtype, size = spec
                 if n % size:
                     raise InvalidTrajectory(f"{name} has {n} bytes, not a multiple of {size}")
-                kw[name] = np.frombuffer(data, dtype=dtype, count=n // size, offset=pos)
+                kw[name] = np.frombuffer(data, dtype, n // size, pos)  # positional: half the call cost
             elif num in _STRINGS:
                 kw[_STRINGS[num]] = data[pos:stop].decode()
             elif num in _RARE:
@@ -216,7 +269,8 @@ def decode_group_checked(data: bytes) -> tuple[GroupData, int]:
     """``(group, oldest policy version)``, validated; see :func:`decode_group_fast`."""
     try:
         return _decode_group(data)
-    except (_Fallback, UnicodeDecodeError, struct.error, IndexError):
+    # DecodeError: a corrupt map or timestamp, met by the generated parser of the rare fields.
+    except (_Fallback, UnicodeDecodeError, struct.error, IndexError, DecodeError):
         group = decode_group(data)  # the generated parser: same checks, its own error messages
         return group, group.oldest_version
 

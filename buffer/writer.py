@@ -36,6 +36,21 @@ _BACKOFF_MAX_S = 0.25
 _PENDING_PAYLOAD_GRACE_S = 30.0
 
 
+_MULTI = b"*1\r\n$5\r\nMULTI\r\n"
+_EXEC = b"*1\r\n$4\r\nEXEC\r\n"
+
+
+def _resp(command: tuple) -> list[bytes]:
+    """One command in RESP, as pieces to join: the payload is referenced, not copied, until the single join.
+    (redis-py's packer costs more Python per put than the rest of the put together, and copies the payload
+    once more.)"""
+    out = [b"*%d\r\n" % len(command)]
+    for arg in command:
+        raw = arg if isinstance(arg, (bytes, bytearray)) else str(arg).encode()
+        out += (b"$%d\r\n" % len(raw), raw, b"\r\n")
+    return out
+
+
 class BufferFull(RuntimeError):
     """The trajectories stream stayed over its bound for the whole put timeout."""
 
@@ -140,20 +155,20 @@ class TrajectoryWriter:
         raise NoScriptError("PUT script could not be loaded")
 
     def _transaction(self, keys: list[str], args: list, payload: bytes, ttl_ms: int) -> list:
+        blob = b"".join(
+            [
+                _MULTI,
+                *_resp(("SET", keys[3], payload, "PX", ttl_ms)),
+                *_resp(("EVALSHA", self._scripts.put.sha, len(keys), *keys, *args)),
+                _EXEC,
+            ]
+        )
         pool = self.client.connection_pool
         conn = pool.get_connection()
         try:
-            packed = conn.pack_commands(
-                [
-                    ("MULTI",),
-                    ("SET", keys[3], payload, "PX", ttl_ms),
-                    ("EVALSHA", self._scripts.put.sha, len(keys), *keys, *args),
-                    ("EXEC",),
-                ]
-            )
             # One send (one syscall, one wake-up of Redis) instead of one per chunk: copying the payload
             # once more costs less than the extra round of scheduling on a busy host.
-            conn.send_packed_command([b"".join(packed)])
+            conn.send_packed_command([blob])
             replies = [conn.read_response() for _ in range(3)]  # OK, QUEUED, QUEUED
             result = conn.read_response()
         except BaseException:

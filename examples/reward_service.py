@@ -21,8 +21,8 @@ from pathlib import Path
 # Runs from a checkout without installing: make the repo's `tether` importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout_server.rewards import math_reward
 from tether.reward_service import RewardService, serve
+from tether.scorers import math_reward
 from tether.v1 import reward_pb2
 
 

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node N -m learner --config runs/<run>/config.yaml [--resume] [--learner.lr 1e-6 ...]
 
-``tether learner`` and ``tether up`` build this command (``tether.launcher.learner_command``).
+``tether learner`` and ``tether up`` build this command (``tether.commands.launcher.learner_command``).
 """
 
 from __future__ import annotations
@@ -30,12 +30,18 @@ def main(argv: list[str] | None = None) -> int:
     if val and not val.startswith("demo:"):
         from pathlib import Path
 
-        if not Path(val).is_file():
-            print(f"learner: learner.val_data_path: {val} does not exist (a JSONL file or demo:TASK)", file=sys.stderr)
+        if not Path(val).exists():
+            print(f"learner: learner.val_data_path: {val} does not exist (a dataset file or folder, or demo:TASK)",
+                  file=sys.stderr)  # fmt: skip
             return 2
+    from learner.datasets import DataError
     from learner.main import run
 
-    return run(cfg, resume=args.resume)
+    try:
+        return run(cfg, resume=args.resume)
+    except DataError as e:  # a dataset that does not fit the config: its message, not a traceback
+        print(f"learner: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ tokens, never scored), with a non-finite reward or behaviour log-prob, without p
 token has no logits), without completion tokens, or with an unreadable sampling temperature; a fully
 masked trajectory still counts in its group's baseline but has nothing to train on. Advantages are
 computed per group over the surviving rewards (GRPO / Dr.GRPO); a group left with one sample has no
-baseline (advantage 0) and is counted as ``single_sample_groups``.
+baseline (advantage 0) and is counted as ``single_sample_groups``. The trainer then runs the configured
+estimator over the samples (:func:`learner.advantages.assign_advantages`; for GRPO the same numbers).
 
 Each sample carries the temperature its tokens were sampled at (trajectory metadata
 :data:`~tether.trajectory.TEMPERATURE_KEY`, else ``default_temperature``, the config's
@@ -13,8 +14,13 @@ Each sample carries the temperature its tokens were sampled at (trajectory metad
 log-probs (``logprob_source`` other than ``processed``) are of the T = 1 distribution, so those
 samples are scored at T = 1.
 
-Rank 0 sends the groups as their protobuf encoding in one uint8 tensor (plus an int64 header of
-lengths) — ``broadcast_object_list`` would pickle, and no pickle crosses a process boundary here.
+A sample's staleness is :func:`buffer.staleness_of` of its own oldest token, the formula the buffer's
+reader drops and books groups by, so the two never disagree on the same tokens.
+
+Rank 0 sends the groups in one uint8 tensor (plus an int64 header of lengths), encoded by the buffer's
+fast codec (:mod:`buffer.wire`: the protobuf wire format, built from the arrays' own buffers; the other
+ranks get numpy views into the received bytes) — ``broadcast_object_list`` would pickle, and no pickle
+crosses a process boundary here.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from learner.losses import group_advantages
+from buffer.policy import staleness_of
+from buffer.wire import decode_group_fast, encode_group_fast
+from learner.advantages import group_advantages
 from learner.packing import Sample
 from tether.logs import get_logger
 from tether.trajectory import (
@@ -34,8 +42,6 @@ from tether.trajectory import (
     TEMPERATURE_KEY,
     GroupData,
     TrajectoryData,
-    decode_group,
-    encode_group,
     logprob_temperature,
 )
 from tether.v1.trajectory_pb2 import FINISH_REASON_ABORTED
@@ -115,7 +121,7 @@ def build_samples(
                 advantage=a,
                 reward=float(t.reward),
                 group=gi,
-                staleness=max(0, current_version - t.oldest_version),
+                staleness=staleness_of(t.oldest_version, current_version),
                 temperature=temperature,
             )
         )
@@ -128,6 +134,25 @@ def _warn(skipped: Counter[str]) -> None:
         log.warning("trajectories_skipped", **dict(skipped))
 
 
+def pack_groups(groups: list[GroupData], *, stop: int = 0) -> tuple[torch.Tensor, bytearray]:
+    """Rank ``src``'s side of :func:`broadcast_groups`: an int64 header ``[stop, n, len_1 … len_n]`` and the
+    groups' encodings end to end (writable, so ``torch.frombuffer`` shares it rather than copying)."""
+    payloads = [encode_group_fast(g) for g in groups]
+    header = torch.tensor([int(stop), len(payloads), *map(len, payloads)], dtype=torch.int64)
+    return header, bytearray().join(payloads)
+
+
+def unpack_groups(header: torch.Tensor, data: bytes) -> tuple[list[GroupData], int]:
+    """The other ranks' side: the groups (validated; arrays are read-only views into ``data``) and the stop
+    code."""
+    stop, n = int(header[0]), int(header[1])
+    out, offset = [], 0
+    for length in header[2 : 2 + n].tolist():
+        out.append(decode_group_fast(data[offset : offset + length]))
+        offset += length
+    return out, stop
+
+
 def broadcast_groups(
     groups: list[GroupData] | None, *, src: int = 0, device: torch.device, stop: int = 0
 ) -> tuple[list[GroupData], int]:
@@ -135,8 +160,7 @@ def broadcast_groups(
     every rank returns the same decoded groups and code."""
     rank = dist.get_rank()
     if rank == src:
-        payloads = [encode_group(g) for g in groups or []]
-        header = torch.tensor([int(stop), len(payloads), *map(len, payloads)], dtype=torch.int64)
+        header, raw = pack_groups(list(groups or []), stop=stop)
         size = torch.tensor([header.numel()], dtype=torch.int64, device=device)
     else:
         size = torch.zeros(1, dtype=torch.int64, device=device)
@@ -146,21 +170,13 @@ def broadcast_groups(
     header_dev = header.to(device)
     dist.broadcast(header_dev, src)
     header = header_dev.cpu()
-    stop_flag, n = int(header[0]), int(header[1])
-    lengths = header[2 : 2 + n].tolist()
-    total = sum(lengths)
+    total = int(header[2:].sum())
     if rank == src:
-        raw = bytearray(b"".join(payloads))
         blob = (torch.frombuffer(raw, dtype=torch.uint8) if total else torch.zeros(0, dtype=torch.uint8)).to(device)
     else:
         blob = torch.empty(total, dtype=torch.uint8, device=device)
     if total:
         dist.broadcast(blob, src)
     if rank == src:
-        return list(groups or []), stop_flag
-    data = blob.cpu().numpy().tobytes()
-    out, offset = [], 0
-    for length in lengths:
-        out.append(decode_group(data[offset : offset + length]))
-        offset += length
-    return out, stop_flag
+        return list(groups or []), int(header[0])
+    return unpack_groups(header, blob.cpu().numpy().tobytes())

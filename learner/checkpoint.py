@@ -1,7 +1,8 @@
 """Checkpoints (torch.distributed.checkpoint) that resume exactly, and the final Hugging Face export.
 
-``{run}/checkpoints/step_N/`` holds the sharded model and optimizer (DCP: every rank writes its own
-shards, no gather), ``rng_rank{r}.json`` per rank and ``trainer_state.json`` (step, policy version,
+``{run}/checkpoints/step_N/`` holds the sharded model (with LoRA: the adapters only) and optimizer
+(DCP: every rank writes its own shards, no gather), the critic's model and optimizer when the run has
+one (PPO with GAE), ``rng_rank{r}.json`` per rank and ``trainer_state.json`` (step, policy version,
 dataset position, scheduler). ``trainer_state.json`` is written last, after a barrier, so a folder
 without it is an interrupted save and is never resumed from. The small states are JSON, not pickles.
 """
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from learner import lora
 from tether.logs import get_logger
 
 log = get_logger(__name__)
@@ -68,12 +70,19 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
-def save_checkpoint(folder: Path, *, model, optimizer, scheduler, state: TrainState) -> Path:
-    """Collective: every rank calls it."""
+def _state_dicts(model, optimizer, critic) -> dict:  # type: ignore[no-untyped-def]
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
+    out = {"model": _trainable(model, model_sd), "optim": optim_sd}
+    if critic is not None:
+        out["critic"], out["critic_optim"] = get_state_dict(critic.model, critic.optimizer)
+    return out
+
+
+def save_checkpoint(folder: Path, *, model, optimizer, scheduler, state: TrainState, critic=None) -> Path:  # type: ignore[no-untyped-def]
+    """Collective: every rank calls it. ``critic``: a :class:`learner.critic.Critic`, saved alongside."""
     path = Path(folder) / f"step_{state.step}"
     rank = dist.get_rank()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    dcp.save(_state_dicts(model, optimizer, critic), checkpoint_id=str(path))
     (path / f"rng_rank{rank}.json").write_text(json.dumps(rng_state()))
     dist.barrier()
     if rank == 0:
@@ -91,12 +100,22 @@ def latest_checkpoint(folder: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
-def load_checkpoint(path: Path, *, model, optimizer, scheduler) -> TrainState:
-    """Collective: restore model, optimizer, scheduler and this rank's RNG; returns the trainer state."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    sd = {"model": model_sd, "optim": optim_sd}
-    dcp.load(sd, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+def load_checkpoint(path: Path, *, model, optimizer, scheduler, critic=None) -> TrainState:  # type: ignore[no-untyped-def]
+    """Collective: restore model, optimizer, scheduler, the critic if given, and this rank's RNG; returns
+    the trainer state."""
+    sd = _state_dicts(model, optimizer, critic)
+    try:
+        dcp.load(sd, checkpoint_id=str(path))
+    except Exception as e:  # DCP names the missing keys; say what that means here
+        if critic is not None and "critic" in str(e):
+            raise RuntimeError(f"{path} holds no critic (saved by a run without adv_estimator: gae?) — resume "
+                               "it with the algorithm it was trained with") from e  # fmt: skip
+        raise
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                   options=_options(model))  # fmt: skip
+    if critic is not None:
+        set_state_dict(critic.model, critic.optimizer, model_state_dict=sd["critic"],
+                       optim_state_dict=sd["critic_optim"])  # fmt: skip
     body = json.loads((path / STATE_FILE).read_text())
     scheduler.load_state_dict(body["scheduler"])
     rng_file = path / f"rng_rank{dist.get_rank()}.json"
@@ -106,16 +125,36 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler) -> TrainState:
     return TrainState(**body["state"])
 
 
+def _options(model) -> StateDictOptions | None:
+    # LoRA: the frozen base weights are model.path's; a checkpoint holds the adapters and their optimizer.
+    # Loading is then not strict about the base keys it leaves alone; dcp.load itself still fails when
+    # the checkpoint lacks an adapter key.
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if lora.is_lora(model) else None
+
+
+def _trainable(model, model_sd: dict) -> dict:
+    """LoRA: the adapters alone (``ignore_frozen_params`` keeps a frozen weight tied under a second name)."""
+    if not lora.is_lora(model):
+        return model_sd
+    keep = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k in keep}
+
+
 def export_hf(model, *, out_dir: Path, source_dir: str) -> None:
-    """Collective: gather full weights and write ``out_dir`` so ``from_pretrained`` loads it (rank 0 writes)."""
+    """Collective: gather full weights and write ``out_dir`` so ``from_pretrained`` loads it (rank 0 writes).
+
+    With LoRA ``out_dir`` holds the merged weights and ``out_dir/adapter`` the peft adapter."""
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         from transformers import AutoModelForCausalLM
 
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        plain = AutoModelForCausalLM.from_config(model.config)
-        plain.load_state_dict(sd)
+        if lora.is_lora(model):
+            plain = lora.export(model, sd, out_dir=out_dir)
+        else:
+            plain = AutoModelForCausalLM.from_config(model.config)
+            plain.load_state_dict(sd)
         plain.save_pretrained(out_dir, safe_serialization=True)
         # The tokenizer and generation files come from the source folder unchanged.
         for f in Path(source_dir).iterdir():

@@ -14,7 +14,8 @@ Metrics of a round, with k = ``val_n`` samples per prompt and a sample *passing*
 ``val/reward_mean`` (over samples), ``val/mean@k`` (over prompts, of each prompt's mean reward),
 ``val/pass@k`` (share of prompts with at least one passing sample), ``val/pass@1`` (unbiased, mean of
 c/n), ``val/best@k`` (mean of each prompt's best reward). Key names keep a literal ``k`` (``val/k``
-says what it is) so plots and dashboards need no per-run key.
+says what it is) so plots and dashboards need no per-run key. Each data source of the evaluation set
+(its ``data_source`` column, or the demo task) also gets its own ``val/<source>/<metric>``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from buffer.validation import ValidationQueue, ValResult
 from tether.config import TetherConfig
@@ -35,6 +35,7 @@ from tether.v1.trajectory_pb2 import Prompt
 log = get_logger(__name__)
 
 DEMO_VAL_PROMPTS = 128
+PER_SOURCE = ("val/reward_mean", "val/mean@k", "val/pass@k", "val/pass@1", "val/best@k", "val/prompts", "val/missing")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -68,27 +69,44 @@ def summarize(results: list[ValResult], *, k: int, expected: int) -> dict[str, f
 
 
 def load_val_prompts(cfg: TetherConfig) -> list[Prompt]:
-    """The evaluation set: the held-out split of a demo task, or the rows of a JSONL file."""
-    from learner.data import read_jsonl
+    """The evaluation set: the held-out split of a demo task, or the first rows of a dataset (rows over
+    ``max_prompt_length`` skipped when ``filter_overlong_prompts``; every data source checked for a scorer)."""
+    from learner.data import demo_prompt
+    from learner.datasets import open_table
+    from learner.rows import RowFormat, check_scorers
 
-    lc = cfg.learner
-    spec, key = lc.val_data_path, lc.prompt_key
+    lc, what = cfg.learner, "learner.val_data_path"
+    spec = lc.val_data_path
     if spec.startswith("demo:"):
-        rows = list(itertools.islice(demo_rows(spec.split(":", 1)[1], seed=cfg.run.seed, split="val"),
-                                     lc.val_max_prompts or DEMO_VAL_PROMPTS))  # fmt: skip
-        key = "prompt"
-    else:
-        if not Path(spec).is_file():
-            raise ValueError(f"learner.val_data_path: {spec} does not exist")
-        try:
-            rows = read_jsonl(spec, prompt_key=key)[: lc.val_max_prompts]
-        except ValueError as e:
-            raise ValueError(str(e).replace("learner.data_path", "learner.val_data_path")) from None
-    return [
-        Prompt(prompt_id=f"val{i}", dataset_index=i, text=row[key],
-               reward_context={k: v if isinstance(v, str) else str(v) for k, v in row.items() if k != key})
-        for i, row in enumerate(rows)
-    ]  # fmt: skip
+        task = spec.split(":", 1)[1]
+        check_scorers(cfg, {task}, what=what, spec=spec, source_key="task")
+        rows = itertools.islice(demo_rows(task, seed=cfg.run.seed, split="val"), lc.val_max_prompts or DEMO_VAL_PROMPTS)
+        return [demo_prompt(row, i, prompt_id=f"val{i}") for i, row in enumerate(rows)]
+    table = open_table(spec, what=what, split="test")
+    fmt = RowFormat(cfg, what=what)
+    fmt.check_columns(table, spec)
+    kept, _ = fmt.scan(table, spec)
+    prompts: list[Prompt] = []
+    for index, row in enumerate(table.rows(0)):
+        if len(prompts) == (lc.val_max_prompts or table.num_rows):
+            break
+        if kept is None or kept[index]:
+            # dataset_index is the index within the round: results are matched back by it
+            prompts.append(fmt.prompt(row, len(prompts), prompt_id=f"val{len(prompts)}"))
+    check_scorers(cfg, {p.reward_context["data_source"] for p in prompts if "data_source" in p.reward_context},
+                  what=what, spec=spec, source_key=lc.data_source_key)  # fmt: skip
+    return prompts
+
+
+def summarize_by_source(results: list[ValResult], prompts: list[Prompt], *, k: int) -> dict[str, float]:
+    """``val/<source>/<metric>`` for each data source of the evaluation set (its prompts only)."""
+    sources = [p.reward_context.get("data_source") for p in prompts]
+    out: dict[str, float] = {}
+    for source in sorted({s for s in sources if s is not None}):
+        mine = [r for r in results if 0 <= r.index < len(sources) and sources[r.index] == source]
+        part = summarize(mine, k=k, expected=sources.count(source))
+        out.update({f"val/{source}/{key[4:]}": part[key] for key in PER_SOURCE if key in part})
+    return out
 
 
 @dataclass
@@ -146,7 +164,9 @@ class Evaluator:
 
     def _close(self, round_id: int, now: float) -> dict[str, float]:
         rnd = self.rounds.pop(round_id)
-        out = summarize(list(rnd.results.values()), k=self.cfg.learner.val_n, expected=len(self.prompts))
+        results = list(rnd.results.values())
+        out = summarize(results, k=self.cfg.learner.val_n, expected=len(self.prompts))
+        out.update(summarize_by_source(results, self.prompts, k=self.cfg.learner.val_n))
         out.update({"val/version": float(rnd.version), "val/latency_s": now - rnd.issued_at})
         self.metrics.log(out, step=rnd.step)
         self.last = {"val_step": rnd.step, **out}

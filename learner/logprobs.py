@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from learner import ulysses
 from learner.packing import MicroBatch
 from learner.varlen_attention import cu_seqlens_kwargs
 
@@ -63,14 +64,22 @@ def forward_micro_batch(
     entropy_grad: bool = True,
     chunk_size: int = DEFAULT_CHUNK,
     temperature: Tensor | None = None,
+    sp: ulysses.Layout | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Run the model on one micro-batch; returns ``(logprobs [N], entropy [N] | None)`` in float32.
 
     ``temperature``: [N] per completion token (None: 1). An empty micro-batch must go through
-    :func:`dummy_loss` instead.
+    :func:`dummy_loss` instead. ``sp`` (SP > 1, packed rows only): this rank runs its sequence shard and
+    the result is the whole micro-batch's, gathered over the SP group.
     """
     if mb.empty:
         raise ValueError("forward_micro_batch got an empty micro-batch; use dummy_loss")
+    if sp is not None and sp.sp > 1:
+        return _forward_sequence_parallel(
+            model, mb, sp, device=device, with_entropy=with_entropy, chunked_entropy=chunked_entropy,
+            entropy_checkpointing=entropy_checkpointing, entropy_grad=entropy_grad, chunk_size=chunk_size,
+            temperature=temperature,
+        )  # fmt: skip
     input_ids = mb.input_ids.to(device, non_blocking=True)
     position_ids = mb.position_ids.to(device, non_blocking=True)
     index = mb.logit_index.to(device, non_blocking=True)
@@ -90,9 +99,40 @@ def forward_micro_batch(
         # in once here so no layer re-derives them (flash_attention_2 and the varlen kernel both read them).
         kwargs.update(cu_seqlens_kwargs(mb.seq_lengths, device))
         logits = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=index, **kwargs).logits[0]
+    return _score(logits, mb.targets, device=device, with_entropy=with_entropy, chunked_entropy=chunked_entropy,
+                  entropy_checkpointing=entropy_checkpointing, entropy_grad=entropy_grad, chunk_size=chunk_size,
+                  temperature=temperature)  # fmt: skip
+
+
+def _forward_sequence_parallel(
+    model: torch.nn.Module, mb: MicroBatch, sp: ulysses.Layout, *, device: torch.device, temperature: Tensor | None,
+    **score,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    if not mb.packed:
+        raise ValueError("ulysses_sequence_parallel_size > 1 needs packed rows (learner.use_remove_padding: true)")
+    pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
+    shard = ulysses.shard_row(mb.input_ids, mb.logit_index, mb.seq_lengths, sp, pad_id=pad_id)
+    kwargs = {"use_cache": False, **cu_seqlens_kwargs(shard.lengths, device)}
+    logits = model(
+        input_ids=shard.input_ids.to(device),
+        position_ids=shard.position_ids.to(device),
+        logits_to_keep=shard.logit_index.to(device),
+        **kwargs,
+    ).logits[0]
+    temp = temperature[shard.local] if temperature is not None else None
+    logprobs, entropy = _score(logits, mb.targets[shard.local], device=device, temperature=temp, **score)
+    logprobs = ulysses.gather_rows(logprobs, shard, sp)
+    return logprobs, ulysses.gather_rows(entropy, shard, sp) if entropy is not None else None
+
+
+def _score(
+    logits: Tensor, targets: Tensor, *, device: torch.device, with_entropy: bool, chunked_entropy: bool,
+    entropy_checkpointing: bool, entropy_grad: bool, chunk_size: int, temperature: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """Log-probs of ``targets`` and (optionally) entropies from ``[N, vocab]`` logits, in float32."""
     if temperature is not None:
         logits = logits / temperature.to(device=device, dtype=logits.dtype)[:, None]
-    targets = mb.targets.to(device, non_blocking=True)
+    targets = targets.to(device, non_blocking=True)
     logprobs = logprobs_from_logits(logits, targets, chunk_size=chunk_size)
     entropy = None
     if with_entropy and not entropy_grad:

@@ -1,4 +1,4 @@
-"""Advantages and the policy loss as pure functions over flat per-token tensors.
+"""The policy and value losses as pure functions over flat per-token tensors.
 
 Every function takes the tokens of one micro-batch laid out flat (``[N]``, the packed layout: one entry
 per *completion* token, sequences one after another) plus ``seq_ids: [N]`` naming each token's
@@ -12,36 +12,22 @@ micro-batch's contribution to a mini-batch mean (sum them), except keys ending i
 max).
 
 GRPO, Dr.GRPO and DAPO are all :func:`policy_loss` (PPO-clip with asymmetric and dual clip, decoupled
-importance weights) with particular settings, not branches of their own.
+importance weights) with particular settings, not branches of their own; the policy losses are keyed by
+``algorithm.loss_mode`` in :data:`POLICY_LOSSES`, and read their knobs from the ``algorithm`` section
+itself. :func:`value_loss` is the critic's (PPO with GAE). The advantages are in :mod:`learner.advantages`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+from tether.config.algorithm import AlgorithmConfig
+
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 TIS_LEVELS = ("token", "sequence", "geometric")
-
-
-def group_advantages(rewards: Tensor, group_ids: Tensor, *, norm_by_std: bool, eps: float = 1e-6) -> Tensor:
-    """GRPO advantages: reward minus its group's mean, optionally over the group's (unbiased) std.
-
-    rewards: [S] float; group_ids: [S] long in ``0..G-1``. Returns [S]. A group of one sample has no
-    baseline and gets advantage 0 (it carries no relative signal). Dr.GRPO is ``norm_by_std=False``.
-    """
-    rewards = rewards.double()
-    n_groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
-    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, torch.ones_like(rewards))
-    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, rewards) / count
-    adv = rewards - mean[group_ids]
-    if norm_by_std:
-        sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, adv * adv)
-        std = (sq / (count - 1).clamp(min=1)).sqrt()
-        adv = adv / (std[group_ids] + eps)
-    return torch.where(count[group_ids] > 1, adv, torch.zeros_like(adv)).float()
 
 
 def importance_weights(
@@ -131,24 +117,6 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, *, kind: str) -> Tensor:
     raise ValueError(f"kl_loss_type must be 'k1' or 'k3', not {kind!r}")
 
 
-@dataclass(frozen=True)
-class LossSettings:
-    """The algorithm knobs :func:`policy_loss` reads (a plain copy of ``AlgorithmConfig`` fields)."""
-
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
-    tis_imp_ratio_cap: float = 2.0
-    tis_level: str = "token"
-    tis_mode: str = "truncate"
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "k3"
-    entropy_coeff: float = 0.0
-    norm_len: float = 1.0
-
-
 def policy_loss(
     *,
     logprobs: Tensor,
@@ -159,7 +127,8 @@ def policy_loss(
     seq_ids: Tensor,
     global_tokens: float,
     global_seqs: float,
-    settings: LossSettings,
+    settings: AlgorithmConfig,
+    norm_len: float = 1.0,
     entropy: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -170,10 +139,12 @@ def policy_loss(
     ``behavior_logprobs`` from the rollout; ``advantages`` per token; ``mask`` 1.0 on trained tokens.
     ratio = exp(logprobs - proximal); per-token loss = w * max(-A*ratio, -A*clip(ratio, 1-lo, 1+hi)),
     for A < 0 additionally capped at -A*c (dual clip); w = truncated proximal/behaviour weight.
+    ``settings``: the ``algorithm`` section itself (clip ratios, IS, KL, entropy, aggregation);
+    ``norm_len``: Dr.GRPO's constant length (``rollout.max_tokens``).
     Returns the scalar loss share and summable metrics (see the module docstring).
     """
     s = settings
-    agg = dict(mode=s.loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=s.norm_len)
+    agg = dict(mode=s.loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len)
     mask = mask.to(logprobs.dtype)
     log_ratio = (logprobs - proximal_logprobs.detach()).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
@@ -212,3 +183,48 @@ def policy_loss(
         metrics["actor/entropy"] = aggregate(entropy.detach(), mask, seq_ids, **tok_mean)
     metrics["loss/total"] = total.detach()
     return total, metrics
+
+
+def value_loss(
+    *,
+    vpreds: Tensor,
+    values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    seq_ids: Tensor,
+    global_tokens: float,
+    global_seqs: float,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The critic's clipped value loss (PPO's, as verl's ``compute_value_loss``).
+
+    All [N]: ``vpreds`` the current critic's values (with grad); ``values`` the critic's values before
+    the step; ``returns`` the targets. Per token ``max((v - R)^2, (clip(v, V - c, V + c) - R)^2)``,
+    aggregated, times 0.5. Returns the loss share and summable metrics (see the module docstring).
+    """
+    mask = mask.to(vpreds.dtype)
+    clipped = torch.maximum(torch.minimum(vpreds, values + cliprange_value), values - cliprange_value)
+    loss1, loss2 = (vpreds - returns) ** 2, (clipped - returns) ** 2
+    agg = dict(global_tokens=global_tokens, global_seqs=global_seqs)
+    loss = 0.5 * aggregate(torch.maximum(loss1, loss2), mask, seq_ids, mode=loss_agg_mode, **agg)
+    metrics = {
+        "critic/vf_loss": loss.detach(),
+        "critic/vf_clipfrac": aggregate((loss2 > loss1).float(), mask, seq_ids, mode="token-mean", **agg),
+        "critic/vpred_mean": aggregate(vpreds.detach(), mask, seq_ids, mode="token-mean", **agg),
+    }
+    return loss, metrics
+
+
+PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+POLICY_LOSSES: dict[str, PolicyLossFn] = {"vanilla": policy_loss}
+"""``algorithm.loss_mode`` -> the loss (verl's ``policy_loss.loss_mode``). A new loss takes
+:func:`policy_loss`'s keyword arguments, reads its knobs from the ``algorithm`` section it is given,
+and is added here and to ``AlgorithmConfig.loss_mode``."""
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    try:
+        return POLICY_LOSSES[name]
+    except KeyError:
+        raise ValueError(f"algorithm.loss_mode: unknown {name!r}; known: {', '.join(sorted(POLICY_LOSSES))}") from None

@@ -31,9 +31,12 @@ from buffer.keys import RedisKeys
 from buffer.ledger import write_books
 from learner.batch import broadcast_groups
 from learner.checkpoint import TrainState, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.critic import build_critic
 from learner.feed import DataTimeout, Feed
+from learner.group_trace import GroupTrace
 from learner.lifecycle import StopSignal, plan_resume_version
-from learner.parallelize import load_model, parallelize
+from learner.lora import adapter_params, is_lora
+from learner.parallelize import load_actor, load_model, parallelize
 from learner.telemetry import LiveStatus, StepProfiler, nvtx, peak_flops, train_flops
 from learner.trainer import Trainer
 from tether.config import TetherConfig
@@ -94,23 +97,25 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
     if rank == 0:
         paths.make()
     seed_everything(cfg.run.seed)
-    model = parallelize(load_model(cfg, device), cfg, device)
+    model = parallelize(load_actor(cfg, device), cfg, device)
     ref = parallelize(load_model(cfg, device), cfg, device, trainable=False) if cfg.algorithm.use_kl_loss else None
-    trainer = Trainer(cfg, model, device=device, ref_model=ref)
+    critic = build_critic(cfg, device)  # PPO with GAE: a value model that never leaves the learner
+    trainer = Trainer(cfg, model, device=device, ref_model=ref, critic=critic)
     state = TrainState()
     if resume:
         ckpt = latest_checkpoint(paths.checkpoints)
         if ckpt is None:
             log.warning("resume_without_checkpoint", folder=str(paths.checkpoints))
         else:
-            state = load_checkpoint(ckpt, model=model, optimizer=trainer.optimizer, scheduler=trainer.scheduler)
+            state = load_checkpoint(ckpt, model=model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                                    critic=critic)  # fmt: skip
 
     from buffer import ServerRegistry, publish_version, read_version
     from buffer.ledger import LedgerSnapshot, take_snapshot
     from weight_sync.sender import WeightSender
     from weight_sync.snapshot import latest_snapshot
 
-    client = feed = live = evaluator = None
+    client = feed = live = evaluator = trace = None
     metrics: MetricsLogger = build_metrics(paths.root, rank=rank, tensorboard=cfg.run.tensorboard)
     republish = False
     if rank == 0:
@@ -131,9 +136,11 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
         clear_run_end(client, feed.keys)  # a resumed run is not over, whatever a lifetime before published
         live = LiveStatus(client=client, key=feed.keys.learner, port=lc.metrics_port, total_steps=lc.total_steps,
                           start_step=state.step)  # fmt: skip
+        trace = GroupTrace(paths.root / "groups.jsonl")
     state.version, republish = _agree_version(state.version, republish, device)
     registry = ServerRegistry(client, feed.keys) if rank == 0 else None
-    sender = WeightSender(cfg, model=model, rank=rank, world_size=world, registry=registry)
+    params = adapter_params(model) if is_lora(model) else None  # LoRA: updates carry the adapters only
+    sender = WeightSender(cfg, model=model, params=params, rank=rank, world_size=world, registry=registry)
     if republish:  # before any prompt is fed: every server generates from the checkpoint's weights
         sender.publish(state.version, snapshot=True)
     if rank == 0 and (republish or read_version(client, feed.keys) < state.version):
@@ -162,7 +169,7 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
                 log.warning("checkpoint_without_books", error=str(e))
                 state.ledger = None
         save_checkpoint(paths.checkpoints, model=model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-                        state=state)  # fmt: skip
+                        state=state, critic=critic)  # fmt: skip
 
     # Off the critical path when the bound allows: version v+1 is sent while step v+2 trains. Its step's
     # metrics row waits for it (logged once its report is in), so every row still carries its own update.
@@ -221,9 +228,10 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
                 break
             t_data = time.perf_counter() - t0
             with profiler(state.step + 1), nvtx(f"step{state.step + 1}"):
-                out = trainer.train_step(groups, version=state.version)
+                out = trainer.train_step(groups, version=state.version, step=state.step)
             if rank == 0:
                 feed.ack(batch)  # after the optimizer step that used them
+                trace.write(batch, step=state.step + 1)
                 state.data_position = feed.position
                 out.update(feed.admission_metrics(published))
             state.step += 1

@@ -37,13 +37,15 @@ class Sample:
     prompt_len: int
     behavior_logprobs: np.ndarray
     loss_mask: np.ndarray
-    advantage: float = 0.0
+    advantage: float | np.ndarray = 0.0  # one per sample, or one per completion token
     reward: float = 0.0
     group: int = 0
     staleness: int = 0
     temperature: float = 1.0  # logits are divided by it before log-softmax (the sampler's distribution)
     proximal_logprobs: np.ndarray | None = None
     ref_logprobs: np.ndarray | None = None
+    values: np.ndarray | None = None  # the critic's, before the step (PPO with GAE)
+    returns: np.ndarray | None = None  # the critic's targets, from the advantage estimator
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from learner import varlen_attention
+from learner import lora, ulysses, varlen_attention
 from tether.config import TetherConfig
 from tether.logs import get_logger
 
@@ -39,10 +39,19 @@ def attn_implementation(cfg: TetherConfig, device: torch.device) -> str:
     Packed rows (``use_remove_padding``) with sdpa/eager get :mod:`learner.varlen_attention` instead:
     transformers would otherwise attend over the whole row through a ``(ΣL)²`` block-diagonal mask,
     which makes packing slower than padding. flash_attention_2 has its own varlen kernel and stays.
+    With ``ulysses_sequence_parallel_size > 1`` either kernel runs inside :mod:`learner.ulysses`'s all-to-alls.
     """
     impl = cfg.model.attn_implementation
+    if cfg.learner.ulysses_sequence_parallel_size > 1:
+        _check_flash(impl, device)
+        return ulysses.register("flash_attention_2" if impl == "flash_attention_2" else varlen_attention.register())
     if cfg.learner.use_remove_padding and impl in ("sdpa", "eager"):
         return varlen_attention.register()
+    _check_flash(impl, device)
+    return impl
+
+
+def _check_flash(impl: str, device: torch.device) -> None:
     if impl == "flash_attention_2":
         if device.type != "cuda":
             raise RuntimeError("model.attn_implementation: flash_attention_2 needs a GPU; use sdpa on CPU")
@@ -51,7 +60,6 @@ def attn_implementation(cfg: TetherConfig, device: torch.device) -> str:
                 "model.attn_implementation: flash_attention_2 needs the flash-attn package "
                 "(pip install -e .[gpu]) — or set it to sdpa"
             )
-    return impl
 
 
 def load_model(cfg: TetherConfig, device: torch.device) -> torch.nn.Module:
@@ -68,6 +76,12 @@ def load_model(cfg: TetherConfig, device: torch.device) -> torch.nn.Module:
     )
     model.config.use_cache = False
     return model
+
+
+def load_actor(cfg: TetherConfig, device: torch.device) -> torch.nn.Module:
+    """The policy: :func:`load_model`, wrapped with fresh LoRA adapters when ``model.lora`` is set."""
+    model = load_model(cfg, device)
+    return lora.apply_lora(model, cfg.model.lora) if cfg.model.lora is not None else model
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -5,8 +5,15 @@ checkpoint/resume equivalences). Every rank holds the same groups and derives th
 only collectives are FSDP's own, the gradient-norm reduction inside ``clip_grad_norm_`` and one
 all-reduce of the metrics.
 
+With a critic (``algorithm.adv_estimator: gae``) a step first scores the samples with it, then runs the
+advantage estimator (:mod:`learner.advantages`), updates the critic, and updates the actor unless the
+critic is still warming up (``critic.critic_warmup``).
+
 Losses are scaled by the world size before backward because FSDP2 averages gradients over ranks while
-:mod:`learner.losses` already normalises by the global token/sequence counts.
+:mod:`learner.losses` already normalises by the global token/sequence counts. With Ulysses sequence
+parallelism (:mod:`learner.ulysses`) the plan is made for the W/SP data-parallel groups: the SP ranks of a
+group train the same micro-batches, each on its slice of the row, and only the group's first rank counts
+the metrics.
 """
 
 from __future__ import annotations
@@ -18,34 +25,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from learner import ulysses
+from learner.advantages import assign_advantages
 from learner.batch import NOT_SKIPPED, build_samples
+from learner.critic import Critic
 from learner.logprobs import dummy_loss, forward_micro_batch
-from learner.losses import LossSettings, policy_loss
+from learner.losses import get_policy_loss
+from learner.offload import activation_offload
 from learner.packing import Sample, make_micro_batch, per_token, plan_micro_batches, plan_within_ranks
 from tether.config import TetherConfig
 from tether.logs import get_logger
 from tether.trajectory import GroupData
 
 log = get_logger(__name__)
-
-
-def loss_settings(cfg: TetherConfig) -> LossSettings:
-    a = cfg.algorithm
-    mode = "seq-mean-token-sum-norm" if a.adv_estimator == "dr_grpo" else a.loss_agg_mode
-    return LossSettings(
-        clip_ratio_low=a.clip_ratio_low,
-        clip_ratio_high=a.clip_ratio_high,
-        clip_ratio_c=a.clip_ratio_c,
-        loss_agg_mode=mode,
-        tis_imp_ratio_cap=a.tis_imp_ratio_cap,
-        tis_level=a.tis_level,
-        tis_mode=a.tis_mode,
-        use_kl_loss=a.use_kl_loss,
-        kl_loss_coef=a.kl_loss_coef,
-        kl_loss_type=a.kl_loss_type,
-        entropy_coeff=a.entropy_coeff,
-        norm_len=float(cfg.rollout.max_tokens),
-    )
 
 
 def lr_lambda(cfg: TetherConfig, updates_per_step: int):
@@ -73,12 +65,22 @@ def _temperatures(samples: list[Sample], index: list[int]) -> torch.Tensor | Non
 
 class Trainer:
     def __init__(
-        self, cfg: TetherConfig, model: torch.nn.Module, *, device: torch.device, ref_model: torch.nn.Module | None
+        self,
+        cfg: TetherConfig,
+        model: torch.nn.Module,
+        *,
+        device: torch.device,
+        ref_model: torch.nn.Module | None,
+        critic: Critic | None = None,
     ) -> None:
         lc = cfg.learner
-        self.cfg, self.model, self.ref_model, self.device = cfg, model, ref_model, device
+        self.cfg, self.model, self.ref_model, self.critic, self.device = cfg, model, ref_model, critic, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.settings = loss_settings(cfg)
+        self.policy_loss = get_policy_loss(cfg.algorithm.loss_mode)
+        self.norm_len = float(cfg.rollout.max_tokens)  # Dr.GRPO's constant length
+        self.offload = activation_offload(cfg, device)
+        self.layout = ulysses.setup(lc.ulysses_sequence_parallel_size, num_heads=model.config.num_attention_heads)
+        self.sp = self.layout if self.layout.sp > 1 else None
         mini = lc.ppo_mini_batch_size or lc.train_batch_size
         self.n_mini = lc.train_batch_size // mini
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -96,9 +98,9 @@ class Trainer:
         self.pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
         # The metric keys of one micro-batch, from an empty call: every rank reduces the same keys.
         z = torch.zeros(0)
-        _, m = policy_loss(
+        _, m = self.policy_loss(
             logprobs=z, proximal_logprobs=z, behavior_logprobs=z, advantages=z, mask=z, seq_ids=z.long(),
-            global_tokens=1.0, global_seqs=1.0, settings=self.settings, entropy=z, ref_logprobs=z,
+            global_tokens=1.0, global_seqs=1.0, settings=cfg.algorithm, entropy=z, ref_logprobs=z,
         )  # fmt: skip
         self.metric_keys = sorted(m)
         # One optimizer update per step: the policy cannot change before it, so the proximal log-probs
@@ -133,9 +135,9 @@ class Trainer:
         lengths = [samples[i].length for i in index]
         plan = plan_micro_batches(
             lengths,
-            world_size=self.world,
+            world_size=self.layout.dp,
             dynamic=lc.use_dynamic_bsz,
-            max_tokens=lc.max_token_len_per_gpu,
+            max_tokens=lc.max_token_len_per_gpu * self.layout.sp,
             micro_batch_size=lc.micro_batch_size_per_gpu,
         )
         return [[[index[j] for j in mb] for mb in rank] for rank in plan]
@@ -143,15 +145,16 @@ class Trainer:
     def _forward_only_plan(self, samples: list[Sample], update_plans: list) -> list[list[int]]:
         """This rank's samples (the ones it updates on) cut by the larger forward-only budgets."""
         lc = self.cfg.learner
-        per_rank = [sorted({i for plan in update_plans for mb in plan[r] for i in mb}) for r in range(self.world)]
+        groups = range(self.layout.dp)
+        per_rank = [sorted({i for plan in update_plans for mb in plan[r] for i in mb}) for r in groups]
         plan = plan_within_ranks(
             per_rank,
             [s.length for s in samples],
             dynamic=lc.use_dynamic_bsz,
-            max_tokens=lc.log_prob_max_token_len_per_gpu or 2 * lc.max_token_len_per_gpu,
+            max_tokens=(lc.log_prob_max_token_len_per_gpu or 2 * lc.max_token_len_per_gpu) * self.layout.sp,
             micro_batch_size=lc.log_prob_micro_batch_size_per_gpu or 2 * lc.micro_batch_size_per_gpu,
         )
-        return plan[self.rank]
+        return plan[self.layout.dp_rank]
 
     # ----- passes
 
@@ -162,7 +165,9 @@ class Trainer:
             if mb.empty:
                 dummy_loss(model, mb, device=self.device)
                 continue
-            logprobs, _ = forward_micro_batch(model, mb, device=self.device, temperature=_temperatures(samples, index))
+            logprobs, _ = forward_micro_batch(
+                model, mb, device=self.device, temperature=_temperatures(samples, index), sp=self.sp
+            )
             logprobs = logprobs.cpu().numpy()
             offset = 0
             for i in index:
@@ -184,18 +189,22 @@ class Trainer:
         for index in plan:
             mb = make_micro_batch(samples, index, packed=lc.use_remove_padding, pad_id=self.pad_id)
             if mb.empty:
-                (dummy_loss(self.model, mb, device=self.device) * self.world).backward()
+                with self.offload():
+                    dummy = dummy_loss(self.model, mb, device=self.device)
+                (dummy * self.world).backward()
                 continue
-            logprobs, entropy = forward_micro_batch(
-                self.model,
-                mb,
-                device=self.device,
-                with_entropy=True,
-                chunked_entropy=lc.entropy_from_logits_with_chunking,
-                entropy_checkpointing=lc.entropy_checkpointing,
-                entropy_grad=a.entropy_coeff > 0,
-                temperature=_temperatures(samples, index),
-            )
+            with self.offload():
+                logprobs, entropy = forward_micro_batch(
+                    self.model,
+                    mb,
+                    device=self.device,
+                    with_entropy=True,
+                    chunked_entropy=lc.entropy_from_logits_with_chunking,
+                    entropy_checkpointing=lc.entropy_checkpointing,
+                    entropy_grad=a.entropy_coeff > 0,
+                    temperature=_temperatures(samples, index),
+                    sp=self.sp,
+                )
             dev = {"device": self.device}
             behavior = per_token(samples, index, "behavior_logprobs").to(**dev)
             if not a.recompute_logprobs:
@@ -205,7 +214,7 @@ class Trainer:
             else:
                 proximal = per_token(samples, index, "proximal_logprobs").to(**dev)
             ref = per_token(samples, index, "ref_logprobs").to(**dev) if self.ref_model is not None else None
-            loss, m = policy_loss(
+            loss, m = self.policy_loss(
                 logprobs=logprobs,
                 proximal_logprobs=proximal,
                 behavior_logprobs=behavior,
@@ -214,11 +223,14 @@ class Trainer:
                 seq_ids=mb.seq_ids.to(self.device),
                 global_tokens=g_tok,
                 global_seqs=g_seq,
-                settings=self.settings,
+                settings=a,
+                norm_len=self.norm_len,
                 entropy=entropy,
                 ref_logprobs=ref,
             )
             (loss * self.world).backward()
+            if self.layout.sp_rank:
+                continue  # the group's first rank counts its metrics
             for k, v in m.items():
                 v = float(v)
                 sums[k] = max(sums.get(k, 0.0), v) if k.endswith("_max") else sums.get(k, 0.0) + v
@@ -236,9 +248,43 @@ class Trainer:
         self.scheduler.step()
         return norm
 
-    def train_step(self, groups: list[GroupData], *, version: int) -> dict[str, float]:
-        """Train on one step's groups; returns the step's metrics (identical on every rank)."""
-        lc, a = self.cfg.learner, self.cfg.algorithm
+    def _train_actor(self, samples: list[Sample], minis: list[list[int]]) -> dict[str, float]:
+        """Forward-only passes, then ``ppo_epochs`` over the mini-batches; the policy's metrics."""
+        plans = [self._plan(samples, m, forward_only=False) for m in minis]
+        separate = self.separate_proximal_pass(len(minis))
+        if separate or self.ref_model is not None:
+            fplan = self._forward_only_plan(samples, plans)
+            if separate:
+                self._forward_only(self.model, samples, fplan, "proximal_logprobs")
+            if self.ref_model is not None:
+                self._forward_only(self.ref_model, samples, fplan, "ref_logprobs")
+        sums: dict[str, float] = {}
+        norms = []
+        for _ in range(self.cfg.learner.ppo_epochs):
+            for mini, plan in zip(minis, plans, strict=True):
+                norms.append(
+                    self._update(samples, mini, plan[self.layout.dp_rank], sums, proximal_from_forward=not separate)
+                )
+        n_updates = len(norms)
+        keys = self.metric_keys
+        summed = torch.tensor([sums.get(k, 0.0) for k in keys if not k.endswith("_max")], dtype=torch.float64)
+        maxed = torch.tensor([sums.get(k, 0.0) for k in keys if k.endswith("_max")], dtype=torch.float64)
+        summed, maxed = summed.to(self.device), maxed.to(self.device)
+        if self.world > 1:  # one rank holds the totals already: no collective to wait for
+            dist.all_reduce(summed)
+            dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
+        sum_keys, max_keys = [k for k in keys if not k.endswith("_max")], [k for k in keys if k.endswith("_max")]
+        out = {k: v / n_updates for k, v in zip(sum_keys, summed.tolist(), strict=True)}
+        out.update(dict(zip(max_keys, maxed.tolist(), strict=True)))
+        if "learner/skipped_updates" in sums:
+            out["learner/skipped_updates"] = sums["learner/skipped_updates"]
+        out["actor/grad_norm"] = sum(norms) / n_updates
+        return out
+
+    def train_step(self, groups: list[GroupData], *, version: int, step: int = 0) -> dict[str, float]:
+        """Train on one step's groups (``step``: steps done before this one); returns the step's metrics
+        (identical on every rank)."""
+        a = self.cfg.algorithm
         t0 = time.perf_counter()
         samples, skipped = build_samples(
             groups,
@@ -253,38 +299,20 @@ class Trainer:
             out["learner/empty_batches"] = 1.0
             return out
         minis = self._mini_batches(samples, len(groups))
-        plans = [self._plan(samples, m, forward_only=False) for m in minis]
-        separate = self.separate_proximal_pass(len(minis))
-        if separate or self.ref_model is not None:
-            fplan = self._forward_only_plan(samples, plans)
-            if separate:
-                self._forward_only(self.model, samples, fplan, "proximal_logprobs")
-            if self.ref_model is not None:
-                self._forward_only(self.ref_model, samples, fplan, "ref_logprobs")
-        sums: dict[str, float] = {}
-        norms = []
-        for _ in range(lc.ppo_epochs):
-            for mini, plan in zip(minis, plans, strict=True):
-                norms.append(self._update(samples, mini, plan[self.rank], sums, proximal_from_forward=not separate))
-        n_updates = len(norms)
-        keys = self.metric_keys
-        summed = torch.tensor([sums.get(k, 0.0) for k in keys if not k.endswith("_max")], dtype=torch.float64)
-        maxed = torch.tensor([sums.get(k, 0.0) for k in keys if k.endswith("_max")], dtype=torch.float64)
-        summed, maxed = summed.to(self.device), maxed.to(self.device)
-        if self.world > 1:  # one rank holds the totals already: no collective to wait for
-            dist.all_reduce(summed)
-            dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
-        sum_keys, max_keys = [k for k in keys if not k.endswith("_max")], [k for k in keys if k.endswith("_max")]
-        out.update({k: v / n_updates for k, v in zip(sum_keys, summed.tolist(), strict=True)})
-        out.update(dict(zip(max_keys, maxed.tolist(), strict=True)))
-        if "learner/skipped_updates" in sums:
-            out["learner/skipped_updates"] = sums["learner/skipped_updates"]
+        if self.critic is not None:
+            self.critic.compute_values(samples)
+        assign_advantages(samples, a)
+        if self.critic is not None:
+            out.update(self.critic.update(samples, minis))
+        if self.critic is None or step >= self.cfg.critic.critic_warmup:
+            out.update(self._train_actor(samples, minis))
+        else:
+            out["actor/warmup"] = 1.0  # the critic's warm-up: the policy is not updated this step
         rewards = [s.reward for s in samples]
         stale = [s.staleness for s in samples]
         tokens = sum(s.length for s in samples)
         out.update(
             {
-                "actor/grad_norm": sum(norms) / n_updates,
                 "actor/lr": self.scheduler.get_last_lr()[0],
                 "reward/mean": sum(rewards) / len(rewards),
                 "reward/max": max(rewards),

@@ -37,7 +37,10 @@ def load_receiver(state: ServerState) -> Any:
             f"weight updates are unavailable on this server: weight_sync.receiver cannot be imported ({e})",
             grpc.StatusCode.UNIMPLEMENTED,
         ) from None
-    return WeightReceiver(state.engine, state.cfg)
+    try:
+        return WeightReceiver(state.engine, state.cfg)
+    except NotImplementedError as e:  # an engine type weight sync cannot load into (weight_sync.targets)
+        raise BadRequest(f"weight updates are unavailable on this server: {e}", grpc.StatusCode.UNIMPLEMENTED) from None
 
 
 class ControlServicer(control_pb2_grpc.ControlServicer):

@@ -23,22 +23,13 @@ import uuid
 from dataclasses import dataclass, field, replace
 
 import grpc
-import numpy as np
 
 from rollout_server.engines.base import FINISH_STOP, SamplingSpec
 from rollout_server.state import ServerState
+from rollout_server.trajectories import build_trajectory
 from rollout_server.validation import BadRequest, check_length, encode, render_messages, sampling_spec
 from tether.logs import get_logger
-from tether.trajectory import (
-    LOGPROB_DTYPE,
-    MASK_DTYPE,
-    PROMPT_GROUP_PREFIX,
-    TEMPERATURE_KEY,
-    TOKEN_DTYPE,
-    VERSION_DTYPE,
-    GroupData,
-    TrajectoryData,
-)
+from tether.trajectory import PROMPT_GROUP_PREFIX, GroupData, TrajectoryData
 from tether.v1 import rollout_pb2, trajectory_pb2
 
 log = get_logger(__name__)
@@ -204,28 +195,22 @@ class EpisodeStore:
                     grpc.StatusCode.FAILED_PRECONDITION,
                 )
             self._episodes.pop(ep.id, None)
-        traj = TrajectoryData(
-            prompt_token_ids=np.asarray(ep.prompt_ids, TOKEN_DTYPE),
-            completion_token_ids=np.asarray(ep.tokens, TOKEN_DTYPE),
-            behavior_logprobs=np.asarray(ep.logprobs, LOGPROB_DTYPE),
-            policy_versions=np.asarray(ep.versions, VERSION_DTYPE),
-            loss_mask=np.asarray(ep.mask, MASK_DTYPE),
-            reward=req.reward,
-            reward_components=dict(req.reward_components),
-            finish_reason=trajectory_pb2.FINISH_REASON_ENV_CLOSED,
-            id=f"{ep.group_id}-{ep.id}",
+        traj = build_trajectory(
+            trajectory_id=f"{ep.group_id}-{ep.id}",
             group_id=ep.group_id,
+            prompt_ids=ep.prompt_ids,
+            token_ids=ep.tokens,
+            logprobs=ep.logprobs,
+            versions=ep.versions,
+            loss_mask=ep.mask,
+            finish_reason=trajectory_pb2.FINISH_REASON_ENV_CLOSED,
             server_id=self.state.server_id,
             logprob_source=self.state.engine.logprob_source,
-            metadata={
-                **ep.metadata,
-                **req.metadata,
-                "episode_id": ep.id,
-                "turns": str(ep.turns),
-                TEMPERATURE_KEY: repr(ep.spec.temperature),
-            },
+            temperature=ep.spec.temperature,
             started_at=ep.started_at,
-            finished_at=time.time(),
+            reward=req.reward,
+            reward_components=req.reward_components,
+            metadata={**ep.metadata, **req.metadata, "episode_id": ep.id, "turns": str(ep.turns)},
         )
         _, members = self._groups.setdefault(ep.group_id, (time.monotonic(), []))
         members.append(traj)

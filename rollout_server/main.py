@@ -49,9 +49,10 @@ async def serve(cfg: TetherConfig, *, port: int, server_id: str, stop: asyncio.E
     from rollout_server.engines import build_engine
     from rollout_server.episodes import EpisodeStore
     from rollout_server.metrics import ServerMetrics
-    from rollout_server.server import auth_token, build_grpc_server, set_serving
+    from rollout_server.server import build_grpc_server, set_serving
     from rollout_server.service import RolloutServicer
     from rollout_server.state import ServerState
+    from tether.auth import auth_token
     from tether.resources import with_prompt_workers
 
     cfg = with_prompt_workers(cfg)  # "derive from the step" becomes a number before anything reads it

@@ -11,15 +11,15 @@ retry and then a dead letter — a broken reward service never crashes the serve
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 
 import grpc
 
 from tether.config import TetherConfig
+from tether.config.rollout import RemoteReward
 from tether.logs import get_logger
+from tether.scorers import REMOTE, SCORERS, math_reward, routes
 from tether.tasks import demo_reward
 from tether.v1 import reward_pb2, reward_pb2_grpc
 
@@ -41,72 +41,6 @@ class ScoreItem:
 
 
 Scores = list[tuple[float, dict[str, float]]]
-
-
-# --- math answers ----------------------------------------------------------------------------------
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced; None when absent."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    i = text.index("{", start) + 1
-    depth = 1
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
-    return None
-
-
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-_FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
-
-
-def normalize_answer(text: str) -> str:
-    s = text.strip().strip("$").strip()
-    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
-    s = _FRAC.sub(r"(\1)/(\2)", s)
-    for junk in ("\\!", "\\,", "\\;", "\\left", "\\right", " "):
-        s = s.replace(junk, "")
-    s = s.rstrip(".")
-    # Thousands separators: "1,000,000" but not a tuple like "1,2".
-    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
-        s = s.replace(",", "")
-    return s
-
-
-def to_number(text: str) -> Fraction | None:
-    s = normalize_answer(text)
-    sign = 1
-    if s.startswith("-("):  # "-\\frac{3}{4}" normalizes to "-(3)/(4)"
-        sign, s = -1, s[1:]
-    m = re.fullmatch(r"\(?(-?[\d.]+)\)?/\(?(-?[\d.]+)\)?", s)
-    try:
-        if m:
-            den = Fraction(m.group(2))
-            return sign * Fraction(m.group(1)) / den if den else None
-        return sign * Fraction(s)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def math_equal(given: str, reference: str) -> bool:
-    a, b = to_number(given), to_number(reference)
-    if a is not None and b is not None:
-        return a == b
-    return normalize_answer(given) == normalize_answer(reference)
-
-
-def math_reward(completion: str, reference: str, *, format_bonus: float = 0.0) -> tuple[float, dict[str, float]]:
-    boxed = last_boxed(completion)
-    if boxed is None:
-        numbers = _NUMBER.findall(completion)
-        answer = numbers[-1] if numbers else None
-    else:
-        answer = boxed
-    correct = answer is not None and math_equal(answer, reference)
-    reward = 1.0 if correct else (format_bonus if boxed is not None else 0.0)
-    return reward, {"correct": float(correct), "boxed": float(boxed is not None)}
 
 
 # --- scorers ---------------------------------------------------------------------------------------
@@ -137,9 +71,9 @@ class RemoteRewardClient:
 
     RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
-    def __init__(self, cfg: TetherConfig) -> None:
-        rc = cfg.rollout.reward
-        assert rc.type == "remote"
+    def __init__(self, cfg: TetherConfig, rc: RemoteReward | None = None) -> None:
+        rc = rc or cfg.rollout.reward
+        assert isinstance(rc, RemoteReward)
         self.rc = rc
         size = cfg.rollout.max_message_bytes
         opts = [
@@ -192,5 +126,45 @@ class RemoteRewardClient:
         await self.channel.close()
 
 
-def build_reward(cfg: TetherConfig) -> LocalReward | RemoteRewardClient:
-    return RemoteRewardClient(cfg) if cfg.rollout.reward.type == "remote" else LocalReward(cfg)
+class SourceReward:
+    """Each completion scored by the scorer its ``data_source`` routes to; the remote ones in one call."""
+
+    def __init__(self, cfg: TetherConfig) -> None:
+        rc = cfg.rollout.reward
+        self.routes = routes(rc.scorers)  # type: ignore[union-attr]
+        self.remote = RemoteRewardClient(cfg, rc.remote) if rc.remote is not None else None  # type: ignore[union-attr]
+
+    def _route(self, it: ScoreItem) -> str:
+        source = it.reward_context.get("data_source")
+        if source is None:
+            raise RewardError("reward_context has no 'data_source' (rollout.reward.type: data_source)")
+        if source not in self.routes:  # the learner checks its datasets at start; a custom prompt may not
+            raise RewardError(f"no scorer for data_source {source!r} (rollout.reward.scorers)")
+        return self.routes[source]
+
+    async def score(self, items: Sequence[ScoreItem]) -> Scores:
+        names = [self._route(it) for it in items]
+        out: Scores = [(0.0, {})] * len(items)
+        remote = [i for i, name in enumerate(names) if name == REMOTE]
+        if remote:
+            assert self.remote is not None  # the config refuses a remote route without rollout.reward.remote
+            for i, scored in zip(remote, await self.remote.score([items[i] for i in remote]), strict=True):
+                out[i] = scored
+        for i, name in enumerate(names):
+            if name != REMOTE:
+                try:
+                    out[i] = SCORERS[name](items[i].completion, items[i].reward_context)
+                except KeyError as e:
+                    raise RewardError(f"scorer {name!r}: {e.args[0]}") from None
+        return out
+
+    async def close(self) -> None:
+        if self.remote is not None:
+            await self.remote.close()
+
+
+def build_reward(cfg: TetherConfig) -> LocalReward | RemoteRewardClient | SourceReward:
+    kind = cfg.rollout.reward.type
+    if kind == "data_source":
+        return SourceReward(cfg)
+    return RemoteRewardClient(cfg) if kind == "remote" else LocalReward(cfg)

@@ -9,7 +9,6 @@ token), and TLS when a certificate pair is configured.
 from __future__ import annotations
 
 import hmac
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,11 +27,6 @@ SERVICE_NAMES = (
 # Open without a token, as in tether.reward_service: probes cannot send metadata, and reflection reveals only
 # the public protos.
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-
-
-def auth_token(configured: str) -> str:
-    """The bearer token: the config's, else ``TETHER_AUTH_TOKEN``; empty means no authentication."""
-    return configured or os.environ.get("TETHER_AUTH_TOKEN", "")
 
 
 class BearerAuth(grpc.aio.ServerInterceptor):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -88,24 +87,14 @@ class BufferSink:
         return entry is not None
 
     async def dead_letter(self, *, reason: str, data: bytes) -> None:
-        """Park work that cannot be completed, with why, where an operator (and ``tether status``) sees it."""
-        import buffer
+        """Park work that cannot be completed, with why, where an operator (and ``tether status``) sees it;
+        counted, so the prompt's admission slot goes back to the learner (see :mod:`buffer.dead_letter`)."""
+        from buffer import dead_letter
 
-        public = getattr(buffer, "dead_letter", None)
-        if callable(public):  # prefer the buffer's own call when it has one
-            await self._call(public, self.client, self.keys, source=self.source, reason=reason, data=data)
-            return
-        fields = {"source": self.source, "reason": reason[:500], "data": data, "time": str(time.time())}
-
-        def write() -> None:
-            # The counter gives the prompt's admission slot back to the learner (buffer.prompts.feed):
-            # a group that will never arrive must not hold one forever.
-            pipe = self.client.pipeline(transaction=True)
-            pipe.xadd(self.keys.dead_letter, fields, maxlen=1000, approximate=True)
-            pipe.hincrby(self.keys.counters, "rollout_dead_letter", 1)
-            pipe.execute()
-
-        await self._call(write)
+        await self._call(
+            dead_letter, self.client, self.keys, source=self.source, reason=reason, data=data,
+            maxlen=self.cfg.buffer.dead_letter_maxlen,
+        )  # fmt: skip
 
     async def count(self, counter: str, n: int = 1) -> None:
         """Add ``n`` to one of the run's counters (shown by ``buffer_stats`` and ``tether status``)."""

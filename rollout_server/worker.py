@@ -16,27 +16,17 @@ from __future__ import annotations
 import asyncio
 import time
 
-import numpy as np
 import redis
 
 from rollout_server.engines.base import SamplingSpec
 from rollout_server.evaluator import Evaluator
 from rollout_server.rewards import RewardError, ScoreItem, build_reward
 from rollout_server.state import ServerState
+from rollout_server.trajectories import build_trajectory
 from rollout_server.validation import BadRequest, check_length, encode
 from tether.logs import get_logger
 from tether.resources import prompt_workers
-from tether.trajectory import (
-    LOGPROB_DTYPE,
-    MASK_DTYPE,
-    PROMPT_GROUP_PREFIX,
-    TEMPERATURE_KEY,
-    TOKEN_DTYPE,
-    VERSION_DTYPE,
-    GroupData,
-    TrajectoryData,
-    encode_group,
-)
+from tether.trajectory import PROMPT_GROUP_PREFIX, GroupData, encode_group
 from tether.v1 import trajectory_pb2
 
 log = get_logger(__name__)
@@ -107,20 +97,18 @@ class PromptWorker:
             for i, x in enumerate(samples)
         ]
         trajectories = [
-            TrajectoryData(
-                prompt_token_ids=np.asarray(ids, TOKEN_DTYPE),
-                completion_token_ids=np.asarray(x.token_ids, TOKEN_DTYPE),
-                behavior_logprobs=np.asarray(x.logprobs, LOGPROB_DTYPE),
-                policy_versions=np.asarray(x.versions, VERSION_DTYPE),
-                loss_mask=np.ones(len(x.token_ids), MASK_DTYPE),
-                finish_reason=x.finish_reason,
-                id=items[i].trajectory_id,
+            build_trajectory(
+                trajectory_id=items[i].trajectory_id,
                 group_id=group_id,
+                prompt_ids=ids,
+                token_ids=x.token_ids,
+                logprobs=x.logprobs,
+                versions=x.versions,
+                finish_reason=x.finish_reason,
                 server_id=s.server_id,
                 logprob_source=e.logprob_source,
-                metadata={TEMPERATURE_KEY: repr(spec.temperature)},
+                temperature=spec.temperature,
                 started_at=started,
-                finished_at=time.time(),
             )
             for i, x in enumerate(samples)
         ]

@@ -2,6 +2,6 @@
 
 import sys
 
-from tether.cli import main
+from tether.commands.cli import main
 
 sys.exit(main())

@@ -4,6 +4,7 @@ runs/<run_id>/
   config.yaml          resolved config (what actually ran)
   logs/<process>.log   JSON lines, one file per process (learner-rank0, rollout-0, redis, ...)
   metrics.jsonl        one JSON object per logged step
+  groups.jsonl         per trained group: server, generation start/end, lengths (for `tether plan`)
   tensorboard/         TensorBoard event files
   plots/               PNG curves (reward, loss, ...)
   checkpoints/         torch.distributed.checkpoint folders, step_<n>/

@@ -58,6 +58,7 @@ class WeightSender:
         cfg: TetherConfig,
         *,
         model: torch.nn.Module,
+        params: Sequence[tuple[str, torch.Tensor]] | None = None,
         rank: int = 0,
         world_size: int = 1,
         registry: object | None = None,
@@ -65,14 +66,15 @@ class WeightSender:
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         """``registry`` (a ``buffer.ServerRegistry``) or ``servers`` (addresses, or a callable returning them)
-        names the receivers; ``process_group`` is the learner group the shards live on (default: torchrun's)."""
+        names the receivers; ``process_group`` is the learner group the shards live on (default: torchrun's);
+        ``params``: the named tensors an update sends (default: all of ``model``'s; LoRA: the adapters)."""
         self.cfg = cfg
         self.wcfg = cfg.weight_sync
         self.rank, self.world_size = rank, world_size
         self.registry, self.servers = registry, servers
         self.process_group = process_group
         # named_parameters() lists a tied weight once (embeddings / lm_head): it travels once.
-        self._params = list(model.named_parameters())
+        self._params = list(params) if params is not None else list(model.named_parameters())
         metas = [(name, p.dtype, tuple(p.shape)) for name, p in self._params]
         self.layout = plan_layout(metas, bucket_size_bytes=max(1, int(self.wcfg.bucket_size_mb * 2**20)))
         self._last_member = bucket_ready_order(self.layout)
@@ -95,7 +97,7 @@ class WeightSender:
             self.pool = BufferPool(capacity, self.transport.device)
             # One token for both sides: the servers require rollout.auth_token, else TETHER_AUTH_TOKEN,
             # so the learner resolves it with the servers' own function rather than a second setting.
-            from rollout_server.server import auth_token
+            from tether.auth import auth_token
 
             self.clients = ControlClients(token=auth_token(cfg.rollout.auth_token) or None)
 

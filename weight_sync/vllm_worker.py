@@ -14,6 +14,9 @@ kernels' post-load processing; plain ``model.load_weights`` on older vLLM), whic
 layout (fused qkv / gate-up projections, tensor parallel shards, tied embeddings) — this is why vLLM
 receives full, unsharded HF-named tensors.
 
+With ``model.lora`` (``lora_scale`` > 0) an update holds adapter tensors only: the worker reloads the
+whole model from ``model.path``'s safetensors with the adapted weights merged (:mod:`weight_sync.lora`).
+
 Limitation: with ``tensor_parallel_size > 1`` each worker would need its own rank in the group; the plan
 carries one rank per server, so collective transports support TP=1 and larger TP uses ``filesystem``.
 """
@@ -22,12 +25,15 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from tether.v1 import control_pb2
 from weight_sync.buckets import Layout, checksum, unpack
 from weight_sync.collective import CollectiveReceive
+from weight_sync.lora import merged_checkpoint, received
 from weight_sync.snapshot import read_snapshot
 
 
@@ -59,20 +65,20 @@ class WeightSyncWorker:
         state["pending"][plan.update_id] = (plan, future)
         return True
 
-    def tether_commit(self, update_id: str, timeout_s: float, sums: bool) -> dict:
+    def tether_commit(self, update_id: str, timeout_s: float, sums: bool, lora_scale: float = 0.0) -> dict:
         pending = self._tether()["pending"].pop(update_id, None)
         if pending is None:
             raise RuntimeError(f"update {update_id!r} was not prepared in this worker")
         plan, future = pending
         if future is None:
-            return self._tether_load(read_snapshot(plan.filesystem.path), sums)
+            return self._tether_load(read_snapshot(plan.filesystem.path), sums, lora_scale)
         flats = future.result(timeout=timeout_s)
         members = Layout.from_plan(plan).bucket_members()
         named = [pair for flat, group in zip(flats, members, strict=True) for pair in unpack(flat, group)]
-        return self._tether_load(named, sums)
+        return self._tether_load(named, sums, lora_scale)
 
-    def tether_load_snapshot(self, path: str, sums: bool) -> dict:
-        return self._tether_load(read_snapshot(path), sums)
+    def tether_load_snapshot(self, path: str, sums: bool, lora_scale: float = 0.0) -> dict:
+        return self._tether_load(read_snapshot(path), sums, lora_scale)
 
     def tether_abort(self) -> bool:
         self._tether()["pending"].clear()
@@ -82,7 +88,20 @@ class WeightSyncWorker:
         """Float64 sums of the live model's parameters under vLLM's own names (tests compare them)."""
         return {name: checksum(p) for name, p in self.model_runner.model.named_parameters()}
 
-    def _tether_load(self, named: Iterable[tuple[str, torch.Tensor]], sums: bool) -> dict:
+    def _tether_base(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The base checkpoint (``model.path``'s safetensors), read lazily for a whole-model reload."""
+        folder = Path(self.vllm_config.model_config.model)
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                    yield name, f.get_tensor(name)
+
+    def _tether_load(self, named: Iterable[tuple[str, torch.Tensor]], sums: bool, lora_scale: float = 0.0) -> dict:
+        if lora_scale:
+            adapters = list(named)
+            self._tether_load(merged_checkpoint(adapters, self._tether_base, lora_scale), False)
+            nbytes, checksums = received(adapters, sums=sums)
+            return {"bytes": nbytes, "checksums": checksums}
         totals = {"bytes": 0, "checksums": {}}
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:

@@ -120,7 +120,7 @@ class Engine(abc.ABC):
         """All ``spec.n`` samples of one prompt, finished; the text is decoded without special tokens."""
         samples = [Sample() for _ in range(spec.n)]
         rid = request_id or uuid.uuid4().hex
-        agen = self.stream(prompt_ids, spec, request_id=rid)
+        agen = self._stream_whole(prompt_ids, spec, request_id=rid)
         try:
             async for chunk in agen:
                 s = samples[chunk.index]
@@ -137,6 +137,11 @@ class Engine(abc.ABC):
         for s in samples:
             s.text = self.decode(s.token_ids)
         return samples
+
+    def _stream_whole(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
+        """The chunks :meth:`generate` collects; an engine may hand them over in fewer, larger pieces
+        (nobody watches them arrive), which saves a consumer wake-up per token."""
+        return self.stream(prompt_ids, spec, request_id=request_id)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if token_ids else ""

@@ -1,8 +1,11 @@
 """Batched sampling with per-row temperature / top-k / top-p / seed, and the behaviour log-probs.
 
 Kept apart from the engine so it is a pure function of tensors (unit-tested against a closed form).
-Every row is sorted once; top-k and top-p are masks over the sorted logits, so rows with different
-settings share one kernel launch sequence. Log-probs are **processed**: the log-probability of the
+When a row of the batch truncates (top-k / top-p), every row is sorted once and top-k and top-p are
+masks over the sorted logits, so rows with different settings share one kernel launch sequence; when
+none does (every training rollout: truncation is refused there), the sort is skipped and sampling is
+one ``log_softmax`` and one ``multinomial`` over the batch — what ``model.generate`` spends, plus the
+gather of the log-prob. Log-probs are **processed**: the log-probability of the
 sampled token under the distribution it was actually drawn from — ``log_softmax(logits / T)``
 restricted to (and renormalised over) the tokens top-k / top-p keep, as vLLM's ``processed_logprobs``.
 The learner recomputes ``log_softmax(logits / T)`` (verl's actor convention), so at temperature T with
@@ -46,9 +49,24 @@ class RowParams:
             generators=gens,
         )
 
+    def __post_init__(self) -> None:
+        # Decided once per batch, not per step (no device sync in the decode loop): whether any row restricts
+        # its support (top-k / top-p: the sorted path), whether any row is greedy.
+        self.truncates = bool(((self.top_k > 0) | (self.top_p < 1)).any())
+        self.has_greedy = bool((self.temperature <= 0).any())
+
     def select(self, keep: torch.Tensor) -> RowParams:
         idx = keep.tolist()
         return RowParams(self.temperature[keep], self.top_p[keep], self.top_k[keep], [self.generators[i] for i in idx])
+
+    def concat(self, other: RowParams) -> RowParams:
+        """These rows followed by ``other``'s (a batch that new rows joined)."""
+        return RowParams(
+            torch.cat([self.temperature, other.temperature]),
+            torch.cat([self.top_p, other.top_p]),
+            torch.cat([self.top_k, other.top_k]),
+            self.generators + other.generators,
+        )
 
 
 @torch.no_grad()
@@ -57,6 +75,8 @@ def sample(logits: torch.Tensor, params: RowParams) -> tuple[torch.Tensor, torch
     logits = logits.float()
     greedy = params.temperature <= 0
     temp = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
+    if not params.truncates:
+        return _sample_full_support(logits, temp, greedy if params.has_greedy else None, params.generators)
     sorted_logits, order = torch.sort(logits / temp[:, None], dim=-1, descending=True)
     vocab = logits.shape[-1]
     positions = torch.arange(vocab, device=logits.device)[None, :]
@@ -84,3 +104,31 @@ def sample(logits: torch.Tensor, params: RowParams) -> tuple[torch.Tensor, torch
         raw = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
         logp = torch.where(greedy, raw, logp)
     return tokens, logp
+
+
+def _sample_full_support(
+    logits: torch.Tensor, temp: torch.Tensor, greedy: torch.Tensor | None, generators: list[torch.Generator | None]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample` for a batch in which no row truncates: no sort, the same distributions."""
+    logp = torch.log_softmax(logits / temp[:, None], dim=-1)  # greedy rows: temp 1, their reported log-probs
+    probs = logp.exp()
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):
+        tokens = _exponential_race(probs)
+    elif unseeded:
+        idx = torch.tensor(unseeded, device=logits.device)
+        tokens[idx] = _exponential_race(probs[idx])
+    for i, g in enumerate(generators):
+        if g is not None:
+            tokens[i] = torch.multinomial(probs[i], 1, generator=g).squeeze(-1)
+    if greedy is not None:
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _exponential_race(probs: torch.Tensor) -> torch.Tensor:
+    """One draw per row from ``probs`` [B, V]: argmax of p / E with E ~ Exp(1) picks token i with
+    probability p_i (the exponential race; Gumbel-max in another form), several times cheaper than
+    ``torch.multinomial`` on CPU for one sample per row."""
+    return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)

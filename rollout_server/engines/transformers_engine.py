@@ -1,20 +1,27 @@
-"""Hugging Face transformers engine: batched decoding with a KV cache, on CPU or GPU.
+"""Hugging Face transformers engine: continuous batching over one KV cache, on CPU or GPU.
 
-Static batching with a short gathering window: a request waits up to ``batch_wait_ms`` for others
-(up to ``max_num_seqs`` rows, a request's ``n`` samples being ``n`` rows), then the batch is
-left-padded, prefilled once and decoded step by step with a ``DynamicCache``. Each step runs in a
-worker thread (``asyncio.to_thread``) so the gRPC event loop stays responsive; between steps the loop
-checks the pause gate, which is how a weight update with ``inflight: keep`` freezes in-flight samples
-and lets them continue on the new weights — every token is tagged with ``policy_version`` read at the
-step that produced it. ``model`` is the live ``torch.nn.Module`` weight sync loads into.
-Log-probs are of the processed (temperature-scaled) distribution (see ``sampling.py``). A request
-with ``n > max_num_seqs`` runs alone in a batch.
+A request joins the running batch at the next step instead of waiting for the batch to end: the
+scheduler prefills newcomers (up to ``max_num_seqs`` rows in all, a request's ``n`` samples being
+``n`` rows) in one left-padded forward pass of their own, appends their rows to the running batch's
+``DynamicCache``, and every row leaves the batch the step it finishes (``kv_batch.py`` holds the
+per-row cache handling). When nothing runs, a request waits up to ``batch_wait_ms`` for others so a
+burst starts as one batch. A request with ``n > max_num_seqs`` runs alone.
+
+Each step — forward pass, sampling and the copy of tokens and log-probs to Python — is one call into
+the engine's own thread, so the gRPC event loop stays responsive; between steps the loop checks the
+pause gate, which is how a weight update with ``inflight: keep`` freezes in-flight samples and lets them
+continue on the new weights — every token is tagged with ``policy_version`` read at the step that
+produced it. ``model`` is the live ``torch.nn.Module`` weight sync loads into. Log-probs are of the
+processed (temperature-scaled) distribution (see ``sampling.py``). A request's new tokens are
+coalesced per sample until its consumer takes them, so a consumer wakes at most once per step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +37,8 @@ from rollout_server.engines.base import (
     EngineError,
     SamplingSpec,
 )
+from rollout_server.engines.kv_batch import RunningBatch
+from rollout_server.engines.sampling import RowParams, sample
 from tether.config import TetherConfig
 from tether.logs import get_logger
 
@@ -41,9 +50,41 @@ class _Request:
     rid: str
     prompt_ids: list[int]
     spec: SamplingSpec
-    out: asyncio.Queue[Chunk | None] = field(default_factory=asyncio.Queue)
+    # New tokens are coalesced per sample until the consumer takes them: one wake-up per engine step
+    # (or fewer) for the consumer, however many rows the request has.
+    chunks: dict[int, Chunk] = field(default_factory=dict)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: set[int] = field(default_factory=set)
+    closed: bool = False
     aborted: bool = False
-    open_rows: int = 0
+    wake_each_step: bool = True  # False: the consumer wants whole samples (generate), woken once at the end
+
+    @property
+    def open_rows(self) -> int:
+        return self.spec.n - len(self.finished)
+
+    def put(self, index: int, token: int | None, logprob: float, version: int, finish: int = 0) -> None:
+        chunk = self.chunks.get(index)
+        if chunk is None:
+            chunk = self.chunks[index] = Chunk(index, [], [], [])
+        if token is not None:
+            chunk.token_ids.append(token)
+            chunk.logprobs.append(logprob)
+            chunk.versions.append(version)
+        if finish:
+            chunk.finish_reason = finish
+            self.finished.add(index)
+        if self.wake_each_step:
+            self.ready.set()
+
+    def close(self, finish: int = 0) -> None:
+        """End the stream; with ``finish``, the samples still open end with that reason first."""
+        if finish:
+            for i in range(self.spec.n):
+                if i not in self.finished:
+                    self.put(i, None, 0.0, 0, finish)
+        self.closed = True
+        self.ready.set()
 
 
 @dataclass
@@ -51,7 +92,6 @@ class _Row:
     req: _Request
     index: int
     generated: list[int] = field(default_factory=list)
-    done: bool = False
 
 
 class TransformersEngine(Engine):
@@ -63,21 +103,25 @@ class TransformersEngine(Engine):
         self.ecfg = cfg.rollout.engine
         self.model: Any = None
         self.device: Any = None
-        self._pending: asyncio.Queue[_Request] = asyncio.Queue()
-        self._held: _Request | None = None
+        self._waiting: collections.deque[_Request] = collections.deque()  # arrival order; the first may wait for room
+        self._arrived = asyncio.Event()
         self._requests: dict[str, _Request] = {}
-        self._admit = asyncio.Event()  # cleared by pause: no new batch starts
+        self._rows: list[_Row] = []  # the running batch's rows, in cache order
+        self._batch: RunningBatch | None = None
+        self._admit = asyncio.Event()  # cleared by pause: no new request joins
         self._step_gate = asyncio.Event()  # cleared by pause("keep"): the running batch freezes
         self._forward_idle = asyncio.Event()  # set while no forward pass runs
-        self._batch_idle = asyncio.Event()  # set while no batch runs
+        self._batch_idle = asyncio.Event()  # set while no row runs or is being admitted
+        self._interrupt = threading.Event()  # set by pause/shutdown: the decode burst returns after this step
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_task: asyncio.Task[None] | None = None
-        self._running_rows = 0
         self._eos: set[int] = set()
         # The model's own thread: forward passes never wait behind other blocking work (Redis reads,
         # weight receives) in asyncio's small shared default pool, and one model runs one pass at a time.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self.model, self.tokenizer, self.device = await asyncio.to_thread(self._load)
         self.max_model_len = self.cfg.model.max_model_len or int(
             getattr(self.model.config, "max_position_embeddings", 2048)
@@ -111,29 +155,45 @@ class TransformersEngine(Engine):
         return model.to(device).eval(), tokenizer, device
 
     async def shutdown(self) -> None:
+        self._interrupt.set()
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
         for req in list(self._requests.values()):
-            req.out.put_nowait(None)
+            req.close(FINISH_ABORTED)
         self._requests.clear()
         self.model = None
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # --- admission -------------------------------------------------------------------------------
-    async def stream(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
+    def stream(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
+        return self._chunks(prompt_ids, spec, request_id=request_id, wake_each_step=True)
+
+    def _stream_whole(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
+        return self._chunks(prompt_ids, spec, request_id=request_id, wake_each_step=False)
+
+    async def _chunks(
+        self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str, wake_each_step: bool
+    ) -> AsyncIterator[Chunk]:
         if self._loop_task is None or self._loop_task.done():
             raise EngineError("transformers engine is not running")
-        req = _Request(request_id, list(prompt_ids), spec, open_rows=spec.n)
+        req = _Request(request_id, list(prompt_ids), spec, wake_each_step=wake_each_step)
         self._requests[request_id] = req
-        self._pending.put_nowait(req)
+        self._waiting.append(req)
+        self._arrived.set()
         try:
-            while (chunk := await req.out.get()) is not None:
-                yield chunk
+            while True:
+                await req.ready.wait()
+                req.ready.clear()
+                chunks, req.chunks = req.chunks, {}
+                for chunk in chunks.values():
+                    yield chunk
+                if req.closed and not req.chunks:
+                    return
         finally:
             if req.open_rows:
-                req.aborted = True  # the consumer went away: stop spending compute on it
+                req.aborted = True  # the consumer went away: its rows leave the batch at the next step
             self._requests.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
@@ -145,6 +205,7 @@ class TransformersEngine(Engine):
         self._admit.clear()
         if inflight == "keep":
             self._step_gate.clear()
+            self._interrupt.set()
             await self._forward_idle.wait()
         else:
             await self._batch_idle.wait()
@@ -163,59 +224,85 @@ class TransformersEngine(Engine):
 
     @property
     def queued_requests(self) -> int:
-        return self._pending.qsize() + (self._held is not None)
+        return len(self._waiting)
 
-    # --- the batch loop --------------------------------------------------------------------------
+    @property
+    def _running_rows(self) -> int:
+        return len(self._rows)
+
+    # --- the step loop ---------------------------------------------------------------------------
     async def _scheduler(self) -> None:
-        limit = self.ecfg.max_num_seqs
         while True:
-            await self._admit.wait()
-            first = self._held or await self._pending.get()
-            self._held = None
-            if not self._admit.is_set():  # paused while we waited for a request: keep it for later
-                self._held = first
-                continue
-            batch = [first]
-            # From here the batch counts as in flight: a drain-pause waits for it, a keep-pause freezes it
-            # at its first forward pass; either way no forward pass starts after pause() returned.
-            self._batch_idle.clear()
+            joining: list[_Request] = []
             try:
-                batch = await self._collect(first, limit)
-                if batch:
-                    await self._run_batch(batch)
-            except Exception as e:  # a backend failure fails this batch, never the server
+                joining = await self._next_requests()
+                if joining:
+                    await self._prefill(joining)
+                    joining = []
+                if self._rows:
+                    await self._decode()
+            except Exception as e:  # a backend failure fails the rows it touched, never the server
                 log.exception("batch_failed", error=str(e))
-                for req in batch:
-                    for i in range(req.spec.n):
-                        req.out.put_nowait(Chunk(i, [], [], [], FINISH_ABORTED))
-                    req.out.put_nowait(None)
+                for req in {id(r): r for r in [*(row.req for row in self._rows), *joining]}.values():
+                    req.close(FINISH_ABORTED)
+                self._rows, self._batch = [], None
             finally:
-                self._batch_idle.set()
+                if not self._rows:
+                    self._batch = None
+                    self._batch_idle.set()
 
-    async def _collect(self, first: _Request, limit: int) -> list[_Request]:
-        """``first`` plus what arrives within ``batch_wait_ms``, up to ``limit`` rows; aborted ones dropped."""
-        batch, rows = [first], first.spec.n
+    async def _next_requests(self) -> list[_Request]:
+        """What joins the batch now: with rows running, whatever waits and fits, without waiting; with
+        none, the next request plus what arrives within ``batch_wait_ms``, up to ``max_num_seqs`` rows."""
+        limit = self.ecfg.max_num_seqs
+        if self._rows:
+            if not self._admit.is_set() or (self._batch is not None and not self._batch.joinable):
+                return []
+            return self._take(limit - len(self._rows))
+        await self._admit.wait()
+        while not self._waiting:
+            self._arrived.clear()
+            await self._arrived.wait()
+        if not self._admit.is_set():  # paused while we waited for a request: it stays first in line
+            return []
+        # From here the request counts as in flight: a drain-pause waits for it, a keep-pause freezes it
+        # at its first forward pass; either way no forward pass starts after pause() returned.
+        self._batch_idle.clear()
+        return await self._take_waiting(max(limit, self._waiting[0].spec.n))
+
+    async def _take_waiting(self, room: int) -> list[_Request]:
         deadline = time.monotonic() + self.ecfg.batch_wait_ms / 1000
-        while rows < limit:
+        taken = self._take(room)
+        room -= sum(r.spec.n for r in taken)
+        while room > 0 and not self._waiting and (left := deadline - time.monotonic()) > 0:
+            self._arrived.clear()
             try:
-                nxt = await asyncio.wait_for(self._pending.get(), max(0.0, deadline - time.monotonic()))
+                await asyncio.wait_for(self._arrived.wait(), left)
             except TimeoutError:
                 break
-            if rows + nxt.spec.n > limit:
-                self._held = nxt
-                break
-            batch.append(nxt)
-            rows += nxt.spec.n
-        for req in [r for r in batch if r.aborted]:
-            req.out.put_nowait(None)  # cancelled while it waited: end its stream without running it
-        return [r for r in batch if not r.aborted]
+            more = self._take(room)
+            taken += more
+            room -= sum(r.spec.n for r in more)
+        return taken
 
-    async def _run_batch(self, batch: list[_Request]) -> None:
+    def _take(self, room: int) -> list[_Request]:
+        """Requests in arrival order while they fit in ``room`` rows; aborted ones end here, unrun."""
+        taken: list[_Request] = []
+        while self._waiting:
+            req = self._waiting[0]
+            if req.aborted:
+                self._waiting.popleft().close(FINISH_ABORTED)
+                continue
+            if req.spec.n > room:
+                break  # first in line keeps its place until there is room
+            taken.append(self._waiting.popleft())
+            room -= req.spec.n
+        return taken
+
+    async def _prefill(self, requests: list[_Request]) -> None:
         import torch
 
-        from rollout_server.engines.sampling import RowParams
-
-        rows = [_Row(req, i) for req in batch for i in range(req.spec.n)]
+        rows = [_Row(req, i) for req in requests for i in range(req.spec.n)]
         params = RowParams.build(
             [
                 (
@@ -236,44 +323,90 @@ class TransformersEngine(Engine):
         mask = torch.tensor(
             [[0] * (width - len(r.req.prompt_ids)) + [1] * len(r.req.prompt_ids) for r in rows], device=self.device
         )
-        state: dict[str, Any] = {"cache": None, "ids": ids, "mask": mask, "pos": (mask.cumsum(-1) - 1).clamp(min=0)}
-        self._running_rows += len(rows)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        state: dict[str, Any] = {"cache": None, "ids": ids, "mask": mask, "pos": pos}
+
+        def prefill() -> tuple[RunningBatch, list[_Row]]:
+            tokens, logps = self._step_sync(state, params)
+            batch = RunningBatch(cache=state["cache"], mask=mask, pos=pos[:, -1] + 1, params=params)
+            batch.last = state["next"]
+            alive, out = self._advance(rows, tokens, logps, version)
+            batch.keep(alive)
+            self._post(out)
+            return batch, [rows[i] for i in alive]
+
+        await self._gate()
+        version = self.policy_version  # see _decode: fixed while the forward runs
+        batch, alive = await self._threaded(prefill)
+        if alive and self._batch is not None and self._rows:
+            self._batch.join(batch)
+            self._rows = self._rows + alive
+        elif alive:
+            self._batch, self._rows = batch, alive
+
+    async def _decode(self) -> None:
+        """Decode steps, back to back in the engine's thread, until the loop is needed: every row is done,
+        a pause asks for the thread, or a waiting request fits in the batch. Tokens reach their requests
+        through the event loop when someone waits for them (a stream, after every step; ``generate``, once
+        its request ends); the thread never waits for that."""
+        await self._gate()
+        # Clear before the burst, with no await in between: a pause from here on interrupts it.
+        self._interrupt.clear()
+        await self._threaded(self._decode_burst)
+
+    def _decode_burst(self) -> None:
+        import torch
+
+        batch = self._batch
+        assert batch is not None and batch.last is not None
+        limit = self.ecfg.max_num_seqs
+        outbox: list = []  # tokens not yet handed to the loop (nobody is waiting for them yet)
         try:
-            logits, version = await self._forward(state)
             while True:
-                # Sampling reads only these logits, so the token is tagged with the version of the forward
-                # pass that produced them, even when a weight update landed since (keep mode).
-                tokens, logps = await self._threaded(lambda lg=logits: _sample(lg, params))
-                self._emit(rows, tokens, logps, version)
-                if all(r.done for r in rows):
+                # A weight load happens only while the engine is paused, after this burst returned (pause
+                # waits on _forward_idle), so the version read here is the one this step's forward runs with.
+                version = self.policy_version
+                mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=-1)
+                state = {"cache": batch.cache, "ids": batch.last[:, None], "mask": mask, "pos": batch.pos[:, None]}
+                tokens, logps = self._step_sync(state, batch.params)
+                batch.mask, batch.pos, batch.last = mask, batch.pos + 1, state["next"]
+                alive, out = self._advance(self._rows, tokens, logps, version)
+                batch.keep(alive)
+                self._rows = [self._rows[i] for i in alive]
+                outbox += out
+                # Wake the loop only when someone waits for these tokens: a request ended, or one streams
+                # them. Posted after the rows are updated: whoever sees a request end sees its rows gone.
+                if len(alive) < len(out) or any(item[0].wake_each_step for item in out):
+                    self._post(outbox)
+                    outbox = []
+                if not self._rows or self._interrupt.is_set():
                     return
-                state["ids"] = torch.tensor(tokens, device=self.device)[:, None]
-                state["mask"] = torch.cat([state["mask"], torch.ones_like(state["mask"][:, :1])], dim=-1)
-                state["pos"] = state["pos"][:, -1:] + 1
-                logits, version = await self._forward(state)
+                waiting = self._waiting[0] if self._waiting else None  # the loop appends during a burst, never pops
+                if waiting is not None and self._admit.is_set() and len(self._rows) + waiting.spec.n <= limit:
+                    return
         finally:
-            self._running_rows -= len(rows)
-            for req in batch:
-                req.out.put_nowait(None)
+            self._post(outbox)  # also on a failure: what was generated reaches its requests before they end
 
     async def _gate(self) -> None:
         while not self._step_gate.is_set():  # re-check: a pause may land between set() and our wake-up
             await self._step_gate.wait()
 
-    async def _forward(self, state: dict[str, Any]) -> tuple[Any, int]:
-        """Logits of the next token, and the policy version of the weights that computed them."""
-        await self._gate()
-        # A weight load waits for a running forward (pause waits on _forward_idle), so the version read
-        # here is the one the whole forward runs with.
-        version = self.policy_version
-        return await self._threaded(lambda: self._forward_sync(state)), version
-
     async def _threaded(self, fn: Any) -> Any:
+        """``fn()`` in the engine's thread; a keep-pause waits until it returns."""
         self._forward_idle.clear()
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
         finally:
             self._forward_idle.set()
+
+    def _step_sync(self, state: dict[str, Any], params: RowParams) -> tuple[list[int], list[float]]:
+        """One forward pass and the sampling of its logits: (tokens, log-probs); the engine's thread."""
+        import torch
+
+        with torch.inference_mode():
+            tokens, logps = sample(self._forward_sync(state), params)
+            state["next"] = tokens  # the next step's input, without a trip through Python
+            return tokens.tolist(), logps.tolist()
 
     def _forward_sync(self, state: dict[str, Any]) -> Any:
         import torch
@@ -288,17 +421,18 @@ class TransformersEngine(Engine):
                 position_ids=state["pos"],
                 past_key_values=state["cache"],
                 use_cache=True,
+                logits_to_keep=1,
             )
             return out.logits[:, -1, :]
 
-    def _emit(self, rows: list[_Row], tokens: list[int], logps: list[float], version: int) -> None:
-        for r, tok, lp in zip(rows, tokens, logps, strict=True):
-            if r.done:
-                continue
+    def _advance(self, rows: list[_Row], tokens: list[int], logps: list[float], version: int) -> tuple[list[int], list]:
+        """Record each row's new token and whether it finished (engine thread): the indices of the rows that
+        go on, and what :func:`_deliver` hands to the requests."""
+        alive, out = [], []
+        for k, (r, tok, lp) in enumerate(zip(rows, tokens, logps, strict=True)):
             req, spec = r.req, r.req.spec
             if req.aborted:
-                r.done, req.open_rows = True, req.open_rows - 1
-                req.out.put_nowait(Chunk(r.index, [], [], [], FINISH_ABORTED))
+                out.append((req, r.index, None, 0.0, version, FINISH_ABORTED))
                 continue
             r.generated.append(tok)
             finish = 0
@@ -306,17 +440,24 @@ class TransformersEngine(Engine):
                 finish = FINISH_STOP
             elif len(r.generated) >= spec.max_tokens or len(req.prompt_ids) + len(r.generated) >= self.max_model_len:
                 finish = FINISH_LENGTH
-            if finish:
-                r.done, req.open_rows = True, req.open_rows - 1
-            req.out.put_nowait(Chunk(r.index, [tok], [lp], [version], finish))
+            out.append((req, r.index, tok, lp, version, finish))
+            if not finish:
+                alive.append(k)
+        return alive, out
+
+    def _post(self, out: list) -> None:
+        assert self._loop is not None
+        if out:
+            self._loop.call_soon_threadsafe(_deliver, out)
 
     def _hit_stop(self, generated: list[int], stop: tuple[str, ...]) -> bool:
         tail = self.tokenizer.decode(generated[-32:], skip_special_tokens=True)
         return any(s in tail for s in stop)
 
 
-def _sample(logits: Any, params: Any) -> tuple[list[int], list[float]]:
-    from rollout_server.engines.sampling import sample
-
-    tokens, logps = sample(logits, params)
-    return tokens.tolist(), logps.tolist()
+def _deliver(tokens: list[tuple[_Request, int, int | None, float, int, int]]) -> None:
+    """On the event loop: one step's tokens into their requests; a request with no open row ends."""
+    for req, index, token, logprob, version, finish in tokens:
+        req.put(index, token, logprob, version, finish)
+        if finish and not req.open_rows:
+            req.close()

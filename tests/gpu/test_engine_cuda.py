@@ -1,4 +1,5 @@
-"""The transformers rollout engine on CUDA: its behaviour log-probs are those of a forward pass."""
+"""The transformers rollout engine on CUDA: its behaviour log-probs are those of a forward pass, also for a
+request that joined a running batch (the per-row cache re-layout on the device)."""
 
 from __future__ import annotations
 
@@ -32,5 +33,29 @@ async def test_cuda_engine_logprobs_match_a_forward_pass(tiny_model_dir: Path) -
                 ref = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
                 ref = ref.gather(-1, torch.tensor(s.token_ids, device=DEVICE)[:, None]).squeeze(-1)
                 torch.testing.assert_close(torch.tensor(s.logprobs), ref.cpu(), atol=1e-4, rtol=1e-4)
+    finally:
+        await engine.shutdown()
+
+
+async def test_cuda_request_joining_a_running_batch_keeps_exact_logprobs(tiny_model_dir: Path) -> None:
+    overrides = ["--model.path", str(tiny_model_dir), "--model.dtype", "float32"]
+    overrides += ["--rollout.engine.device", DEVICE.type]
+    engine = build_engine(load_config(None, overrides))
+    await engine.start()
+    try:
+        engine._eos.clear()  # full-length rows: the long request is still running when the short one is done
+        short, long = engine.tokenizer("x")["input_ids"], engine.tokenizer("a much longer prompt here")["input_ids"]
+        running = asyncio.create_task(engine.generate(short, SamplingSpec(n=2, max_tokens=200, seed=2)))
+        while not engine._rows or len(engine._rows[0].generated) < 3:
+            await asyncio.sleep(0.001)
+        (joined,) = await engine.generate(long, SamplingSpec(n=1, max_tokens=5, seed=3))
+        assert not running.done()
+        for prompt, s in [(long, joined), *((short, x) for x in await running)]:
+            ids = torch.tensor([prompt + s.token_ids], device=DEVICE)
+            with torch.no_grad():
+                logits = engine.model(ids).logits[0].float()
+            ref = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+            ref = ref.gather(-1, torch.tensor(s.token_ids, device=DEVICE)[:, None]).squeeze(-1)
+            torch.testing.assert_close(torch.tensor(s.logprobs), ref.cpu(), atol=1e-4, rtol=1e-4)
     finally:
         await engine.shutdown()

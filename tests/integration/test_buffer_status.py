@@ -12,10 +12,10 @@ import redis
 
 from buffer import RedisKeys, ServerInfo, ServerRegistry, TrajectoryReader, TrajectoryWriter, publish_version
 from tests.unit.test_buffer_codec import make_group
+from tether.commands.console import ProgressLine
+from tether.commands.status import show_status
 from tether.config import TetherConfig
-from tether.console import ProgressLine
 from tether.redis_server import free_port
-from tether.status import show_status
 
 ROOT = Path(__file__).resolve().parents[2]
 

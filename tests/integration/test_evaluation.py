@@ -19,10 +19,10 @@ import redis
 from buffer import RedisKeys, buffer_stats
 from learner.evaluation import Evaluator
 from rollout_server.launch import ServerProcess, spawn_server
+from tether.commands.status import show_status
 from tether.config import load_config
 from tether.metrics import JsonlMetrics, MetricsLogger, read_metrics
 from tether.redis_server import free_port
-from tether.status import show_status
 
 pytestmark = pytest.mark.slow
 N_PROMPTS, K = 6, 3

@@ -1,4 +1,5 @@
-"""``bench/rollout.py --quick`` runs and reports one figure per concurrency (timings are never asserted)."""
+"""``bench/rollout.py --quick`` runs and reports engine vs ``model.generate`` and one gRPC figure per concurrency
+(timings are never asserted)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,11 @@ def test_rollout_bench_quick_reports_ratios(tmp_path: Path) -> None:
     rows = [line for line in out.stdout.splitlines() if line.startswith("|") and line.split("|")[1].strip().isdigit()]
     assert [int(r.split("|")[1]) for r in rows] == [1, 8, 64]
     figures = [json.loads(line) for line in results.read_text().splitlines()]
-    assert [f["name"] for f in figures] == [f"rollout/grpc_vs_inprocess_{c}clients" for c in (1, 8, 64)]
+    assert [f["name"] for f in figures] == [
+        "rollout/engine_vs_generate",
+        *(f"rollout/grpc_vs_inprocess_{c}clients" for c in (1, 8, 64)),
+    ]
     for f in figures:
         assert f["ratio"] > 0 and f["spread"][0] <= f["ratio"] <= f["spread"][1] and f["repeats"] >= 3
-        assert f["goal"] == 0.95 and f["direction"] == "min"
+        assert f["goal"] == (1.0 if f["name"] == "rollout/engine_vs_generate" else 0.95) and f["direction"] == "min"
+        assert f["quick"] is True

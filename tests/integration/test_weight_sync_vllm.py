@@ -3,7 +3,8 @@
 vLLM spawns processes and takes 60-90 s to start here, so ONE engine serves the whole module, in a
 subprocess running this file as a script (``if __name__ == "__main__"``). The script is both sides: a
 Control server around the vLLM engine (WeightReceiver → collective_rpc → WeightSyncWorker) and the learner
-(WeightSender in a thread), over real gRPC and real gloo; it writes its observations as JSON.
+(WeightSender in a thread), over real gRPC and real gloo; it writes its observations as JSON. Last, a LoRA
+run's update (adapter tensors only) is merged by the worker into ``model.path``'s weights.
 """
 
 from __future__ import annotations
@@ -91,10 +92,12 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
             final = out
         return list(final.outputs[0].token_ids)
 
-    def cfg(transport: dict) -> TetherConfig:
+    def cfg(transport: dict, **sections) -> TetherConfig:
         return TetherConfig.model_validate(
             {
+                **sections,
                 "run": {"run_id": "vllm", "output_dir": str(Path(workdir) / "runs")},
+                "rollout": {"engine": {"type": "vllm"}},
                 "weight_sync": {
                     "transport": transport,
                     "bucket_size_mb": 0.1,
@@ -143,6 +146,31 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
     result["version_after_fs"] = engine.policy_version
     result["after_fs"] = await greedy("after-fs")
     await server.stop(None)
+
+    # LoRA: only the adapters travel; the worker reloads model.path's weights with them merged.
+    from learner.lora import adapter_params, apply_lora
+
+    lora_cfg = cfg({"type": "gloo", "master_port": 0}, model={"lora": {"rank": 8, "alpha": 16}})
+    torch.manual_seed(0)
+    adapted = apply_lora(ModelEngine.from_path(model_dir).model, lora_cfg.model.lora)
+    params = adapter_params(adapted)
+    with torch.no_grad():
+        for _, p in params:
+            p.normal_(0, 0.05)
+    result["hf_lora"] = adapted.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[
+        0, len(PROMPT) :
+    ].tolist()
+    result["lora_adapter_bytes"] = sum(p.numel() * p.element_size() for _, p in params)
+    server = grpc.aio.server()
+    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(WeightReceiver(engine, lora_cfg), engine), server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    lora_sender = WeightSender(lora_cfg, model=adapted, params=params, servers=[address])
+    result["lora"] = await asyncio.to_thread(lora_sender.publish, 3)
+    result["lora_dropped"] = lora_sender.last_dropped
+    result["after_lora"] = await greedy("after-lora")
+    lora_sender.close()
+    await server.stop(None)
     llm.shutdown()
     return result
 
@@ -168,6 +196,9 @@ def test_vllm_receiver_loads_in_place(tmp_path: Path, tiny_model_dir: Path) -> N
     assert r["after_gloo"] == r["hf_learner"]
     assert r["filesystem"]["weight_sync/reached"] == 1 and r["version_after_fs"] == 2
     assert r["after_fs"] == r["before"]  # the original weights are back: the same greedy output
+    assert r["lora"]["weight_sync/reached"] == 1, r["lora_dropped"]
+    assert r["lora"]["weight_sync/bytes"] == r["lora_adapter_bytes"]  # adapters only on the wire
+    assert r["hf_lora"] != r["before"] and r["after_lora"] == r["hf_lora"]
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Pure logic of the buffer: admission arithmetic, staleness, payload encoding, compression, the wire codec."""
+"""Pure logic of the buffer's serialization: payload encoding, compression, the wire codec."""
 
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ import pytest
 from buffer.codec import (
     CODEC_PROTOBUF,
     CODEC_PROTOBUF_ZLIB,
-    admission_allowance,
     decode_payload,
     encode_payload,
     read_header,
-    staleness_of,
 )
 from buffer.wire import decode_group_fast, encode_group_fast
 from tether.trajectory import (
@@ -55,33 +53,6 @@ def make_group(*, tokens: int = 16, g: int = 4, version: int = 2, rich: bool = F
     return GroupData(group_id=f"group-{seed}", trajectories=trajs, prompt_id="1-0", metadata={"k": "v"} if rich else {})
 
 
-# -- admission -------------------------------------------------------------------------------------------
-def test_admission_synchronous_issues_one_version_at_a_time() -> None:
-    assert admission_allowance(0, version=0, prompts_per_version=8, max_staleness=0) == 8
-    assert admission_allowance(8, version=0, prompts_per_version=8, max_staleness=0) == 0
-    assert admission_allowance(8, version=1, prompts_per_version=8, max_staleness=0) == 8
-
-
-def test_admission_runs_ahead_by_max_staleness_versions() -> None:
-    assert admission_allowance(0, version=0, prompts_per_version=4, max_staleness=2) == 12
-    assert admission_allowance(10, version=3, prompts_per_version=4, max_staleness=2) == 14
-    assert admission_allowance(100, version=1, prompts_per_version=4, max_staleness=1) == 0  # never negative
-
-
-@pytest.mark.parametrize("kwargs", [{"prompts_per_version": 0}, {"max_staleness": -1}, {"version": -1}])
-def test_admission_rejects_nonsense(kwargs: dict) -> None:
-    args = {"version": 0, "prompts_per_version": 4, "max_staleness": 1} | kwargs
-    with pytest.raises(ValueError):
-        admission_allowance(0, **args)
-
-
-def test_staleness_of() -> None:
-    assert staleness_of(3, 5) == 2
-    assert staleness_of(5, 5) == 0
-    assert staleness_of(7, 5) == 0  # tagged with a version the learner has not reached: fresh
-    assert staleness_of(-1, 5) == 0  # a group without completion tokens
-
-
 # -- the wire codec ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("rich", [False, True])
 def test_fast_encoding_is_the_same_message_as_the_generated_one(rich: bool) -> None:
@@ -113,6 +84,55 @@ def test_fast_decoding_matches_the_generated_decoder(rich: bool) -> None:
             "finished_at",
         ):
             assert getattr(a, name) == getattr(b, name), name
+
+
+@pytest.mark.parametrize(
+    "rare",
+    [
+        {"metadata": {"": "", "temperature": "0.7", "ünï": "cödé ✓"}, "reward_components": {"int": 2, "neg": -0.5}},
+        {"started_at": 1.5e-9, "finished_at": 1763900003.000000001},  # nanos only; seconds with rounding
+        {"started_at": -86400.25},  # before 1970: left to the generated classes both ways
+        {"started_at": 1e12},  # past year 9999: the generated classes' call
+    ],
+)
+def test_maps_and_timestamps_match_the_generated_codec(rare: dict) -> None:
+    group = make_group(seed=5)
+    group.metadata = {"dataset_index": "7", "": "empty key"}
+    for t in group.trajectories:
+        for name, value in rare.items():
+            setattr(t, name, value)
+    try:
+        generated = encode_group(group)
+    except ValueError:  # a timestamp protobuf refuses: the fast encoder must refuse it too
+        with pytest.raises(ValueError):
+            encode_group_fast(group)
+        return
+    assert pb.TrajectoryGroup.FromString(encode_group_fast(group)) == pb.TrajectoryGroup.FromString(generated)
+    fast, ref = decode_group_fast(generated), decode_group(generated)
+    assert fast.metadata == ref.metadata
+    for a, b in zip(fast.trajectories, ref.trajectories, strict=True):
+        for name in ("metadata", "reward_components", "started_at", "finished_at"):
+            assert getattr(a, name) == getattr(b, name), name
+
+
+def test_a_corrupt_map_entry_is_an_invalid_trajectory() -> None:
+    """A metadata entry whose key runs past its end: the fast decoder's rare-field parser must not leak
+    protobuf's DecodeError (the reader dead-letters InvalidTrajectory; anything else would stop it)."""
+    group = pb.TrajectoryGroup.FromString(encode_group(make_group(g=1)))
+    body = group.trajectories[0].SerializeToString() + b"\x72\x03\x0a\x7f\x00"  # metadata: key of 127 B in 3
+    data = b"\x0a\x07group-0" + b"\x1a" + bytes([len(body) & 0x7F | 0x80, len(body) >> 7]) + body
+    assert 128 <= len(body) < 1 << 14  # the two-byte length above
+    with pytest.raises(InvalidTrajectory):
+        decode_group_fast(data)
+
+
+def test_fast_encoder_leaves_wrong_types_to_the_generated_classes() -> None:
+    group = make_group()
+    group.trajectories[1].metadata = {"turns": 3}  # not a string
+    with pytest.raises(TypeError):
+        encode_group(group)
+    with pytest.raises(TypeError):
+        encode_group_fast(group)
 
 
 def test_fast_decoder_defers_to_the_generated_parser_on_unknown_fields() -> None:

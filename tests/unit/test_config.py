@@ -152,7 +152,7 @@ def test_cli_config_error_is_one_line_exit_2(tmp_path: Path, content: str, overr
 def test_entry_point_rejects_bad_config_before_importing_torch(tmp_path: Path) -> None:
     bad = write(tmp_path, "learner: {lr: 0}\n")
     code = (
-        "import sys; from tether.cli import main\n"
+        "import sys; from tether.commands.cli import main\n"
         f"rc = main(['learner', '--config', {str(bad)!r}, '--run.run_id', 'x'])\n"
         "assert rc == 2, rc\n"
         "assert 'torch' not in sys.modules, 'torch imported before the config was validated'\n"

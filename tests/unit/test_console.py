@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from tether.commands.console import ProgressLine, step_interval, summary_lines
 from tether.config import TetherConfig
-from tether.console import ProgressLine, step_interval, summary_lines
 from tether.metrics import JsonlMetrics, read_metrics
 from tether.plots import panels_for, plot_metrics, title_for
 from tether.redis_server import free_port

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tether.cli import COMMANDS, build_parser
+from tether.commands.cli import COMMANDS, build_parser
 from tether.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -344,7 +344,7 @@ def test_grafana_dashboard_uses_known_metrics() -> None:
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_recipes_validate_with_the_cli(recipe: Path) -> None:
-    from tether.cli import main
+    from tether.commands.cli import main
 
     assert main(["config", "--config", str(recipe)]) == 0
 

@@ -30,6 +30,7 @@ def test_readme_gives_the_example_commands() -> None:
         "python examples/guessing_game.py --server 127.0.0.1:50051",
         "python examples/reward_service.py --port 50070",
         "tether up --config configs/examples/math-reward.yaml",
+        "python examples/reward_model_service.py --make-tiny .cache/tiny-rm",
     ):
         assert command in readme, command
 

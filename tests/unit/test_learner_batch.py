@@ -72,3 +72,30 @@ def test_each_sample_carries_the_temperature_it_was_sampled_at() -> None:
     samples, skipped = build_samples(groups, current_version=0, norm_by_std=True, default_temperature=0.5)
     assert skipped == {"bad_temperature": 2}
     assert [s.temperature for s in samples] == [0.7, 0.5, 1.0, 1.0]
+
+
+def test_rank_broadcast_payload_round_trips_every_field() -> None:
+    """What rank 0 packs is the protobuf message the generated code reads, and what the other ranks unpack
+    equals what was sent, field for field (rich groups: reward components, metadata, timestamps)."""
+    from learner.batch import pack_groups, unpack_groups
+    from tests.unit.test_buffer_codec import make_group
+    from tether.trajectory import decode_group
+
+    sent = [make_group(rich=True, seed=s, tokens=16 * (s + 1)) for s in range(3)]
+    header, raw = pack_groups(sent, stop=7)
+    got, stop = unpack_groups(header.clone(), bytes(raw))
+    assert stop == 7 and len(got) == len(sent)
+    offset = 0
+    for a, b, n in zip(got, sent, header[2:].tolist(), strict=True):
+        assert decode_group(bytes(raw[offset : offset + n])).group_id == b.group_id  # the generated parser agrees
+        offset += n
+        assert (a.group_id, a.prompt_id, a.metadata) == (b.group_id, b.prompt_id, b.metadata)
+        for ta, tb in zip(a.trajectories, b.trajectories, strict=True):
+            for name, value in vars(tb).items():
+                if isinstance(value, np.ndarray):
+                    assert getattr(ta, name).dtype == value.dtype and getattr(ta, name).tobytes() == value.tobytes()
+                elif name in ("started_at", "finished_at"):  # protobuf Timestamps: nanoseconds, not a double
+                    assert abs(getattr(ta, name) - value) < 1e-6, name
+                else:
+                    assert getattr(ta, name) == value, name
+    assert unpack_groups(*pack_groups([], stop=0)) == ([], 0)

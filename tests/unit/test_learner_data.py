@@ -38,5 +38,5 @@ def test_bad_data_path_says_what_is_wrong(tmp_path: Path) -> None:
         PromptSource(_cfg(str(tmp_path / "nope.jsonl")))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "x"}\n')
-    with pytest.raises(ValueError, match="no string field 'prompt'"):
+    with pytest.raises(ValueError, match="has no column 'prompt'"):
         PromptSource(_cfg(str(bad)))

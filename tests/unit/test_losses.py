@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from learner.losses import LossSettings, aggregate, group_advantages, importance_weights, kl_penalty, policy_loss
+from learner.advantages import group_advantages
+from learner.losses import aggregate, importance_weights, kl_penalty, policy_loss
+from tether.config import AlgorithmConfig
 
 
 def _seqs(seed: int, n_seq: int = 5) -> list[dict[str, list[float]]]:
@@ -170,7 +172,7 @@ def test_aggregate_split_in_micro_batches_matches_loop(mode: str) -> None:
 # ---------- the policy loss
 
 
-def _ref_policy(seqs, st: LossSettings):
+def _ref_policy(seqs, st: AlgorithmConfig, norm_len: float):
     per_tok, kl_tok = [], []
     for s in seqs:
         lt, kt = [], []
@@ -194,10 +196,10 @@ def _ref_policy(seqs, st: LossSettings):
         per_tok.append(lt)
         kl_tok.append(kt)
     mode = st.loss_agg_mode
-    total = _ref_agg(seqs, per_tok, mode, st.norm_len)
+    total = _ref_agg(seqs, per_tok, mode, norm_len)
     if st.use_kl_loss:
-        total += st.kl_loss_coef * _ref_agg(seqs, kl_tok, mode, st.norm_len)
-    total -= st.entropy_coeff * _ref_agg(seqs, [s["ent"] for s in seqs], mode, st.norm_len)
+        total += st.kl_loss_coef * _ref_agg(seqs, kl_tok, mode, norm_len)
+    total -= st.entropy_coeff * _ref_agg(seqs, [s["ent"] for s in seqs], mode, norm_len)
     return total
 
 
@@ -215,7 +217,7 @@ def _ref_policy(seqs, st: LossSettings):
 )
 @pytest.mark.parametrize("kl", ["k1", "k3"])
 def test_policy_loss_matches_loop(mode: str, tis: tuple[str, str], kl: str) -> None:
-    st = LossSettings(
+    st = AlgorithmConfig(
         clip_ratio_low=0.2,
         clip_ratio_high=0.28,
         clip_ratio_c=1.5,  # small so dual clip actually triggers on random ratios
@@ -227,7 +229,6 @@ def test_policy_loss_matches_loop(mode: str, tis: tuple[str, str], kl: str) -> N
         kl_loss_coef=0.3,
         kl_loss_type=kl,
         entropy_coeff=0.05,
-        norm_len=8.0,
     )
     seqs = _seqs(4, 9)
     cur = _flat(seqs, "cur").requires_grad_(True)
@@ -241,10 +242,11 @@ def test_policy_loss_matches_loop(mode: str, tis: tuple[str, str], kl: str) -> N
         global_tokens=float(sum(sum(s["mask"]) for s in seqs)),
         global_seqs=float(len(seqs)),
         settings=st,
+        norm_len=8.0,
         entropy=_flat(seqs, "ent"),
         ref_logprobs=_flat(seqs, "ref"),
     )
-    assert_close(loss, torch.tensor(_ref_policy(seqs, st), dtype=torch.float64))
+    assert_close(loss, torch.tensor(_ref_policy(seqs, st, 8.0), dtype=torch.float64))
     loss.backward()
     assert torch.isfinite(cur.grad).all()
     assert {"loss/pg", "loss/kl", "loss/entropy", "loss/total", "actor/clipfrac", "actor/iw_mean"} <= set(metrics)
@@ -266,7 +268,7 @@ def test_on_policy_grpo_gradient_is_advantage_weighted_logprob_gradient() -> Non
         seq_ids=_seq_ids(seqs),
         global_tokens=float(cur.numel()),
         global_seqs=4.0,
-        settings=LossSettings(),
+        settings=AlgorithmConfig(),
     )
     loss.backward()
     assert_close(cur.grad, -_flat(seqs, "adv") / cur.numel())
@@ -290,7 +292,7 @@ def test_huge_log_ratio_stays_finite() -> None:
         seq_ids=torch.tensor([0, 1]),
         global_tokens=1.0,
         global_seqs=2.0,
-        settings=LossSettings(),
+        settings=AlgorithmConfig(),
     )
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(cur.grad).all()

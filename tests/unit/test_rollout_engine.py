@@ -81,13 +81,13 @@ async def test_greedy_logprobs_are_of_temperature_1(engine) -> None:
 async def test_requests_close_together_share_a_batch(engine) -> None:
     ids = engine.tokenizer("x")["input_ids"]
     seen: list[int] = []
-    original = engine._run_batch
+    original = engine._prefill
 
     async def spy(batch):
         seen.append(len(batch))
         return await original(batch)
 
-    engine._run_batch = spy
+    engine._prefill = spy
     await asyncio.gather(*(engine.generate(ids, SamplingSpec(n=2, max_tokens=4)) for _ in range(4)))
     assert seen == [4]
 
@@ -174,3 +174,72 @@ async def test_stop_string_and_abort(engine) -> None:
     await engine.abort("r-abort")
     samples = await task
     assert all(s.finish_reason == FINISH_ABORTED and len(s.token_ids) < 200 for s in samples)
+
+
+async def test_a_request_joins_the_running_batch_and_leaves_it_when_done(engine) -> None:
+    """A short request sent while a long one decodes is prefilled into the running batch and finishes first;
+    the cache columns only it needed are cut when it leaves; every log-prob still matches a plain forward
+    pass (the re-laid-out cache changes nothing a row sees)."""
+    engine._eos.clear()  # rows run to max_tokens: the timing of who finishes first is then by construction
+    prefills, widths = [], []
+    prefill, forward = engine._prefill, engine._forward_sync
+
+    async def spy_prefill(requests):
+        prefills.append(sum(r.spec.n for r in requests))
+        return await prefill(requests)
+
+    def spy_forward(state):  # each decode step: the cache is never wider than the longest live row needs
+        if state["cache"] is not None:
+            widths.append((state["mask"].shape[1], max(len(r.req.prompt_ids) + len(r.generated) for r in engine._rows)))
+        return forward(state)
+
+    engine._prefill, engine._forward_sync = spy_prefill, spy_forward
+    short_prompt = engine.tokenizer("x")["input_ids"]
+    long_prompt = engine.tokenizer("a much longer prompt than the running one")["input_ids"]
+    running = asyncio.create_task(engine.generate(short_prompt, SamplingSpec(n=2, max_tokens=80, seed=4)))
+    while not engine._rows or len(engine._rows[0].generated) < 5:
+        await asyncio.sleep(0.005)
+    (joined,) = await engine.generate(long_prompt, SamplingSpec(n=1, max_tokens=6, seed=5))
+    assert not running.done(), "the new request waited for the running batch to end"
+    samples = await running
+    assert prefills == [2, 1]
+    assert len(widths) >= 79 and all(width <= longest for width, longest in widths)
+    assert len(joined.token_ids) == 6 and all(len(s.token_ids) == 80 for s in samples)
+    for prompt, s in [(long_prompt, joined), (short_prompt, samples[0]), (short_prompt, samples[1])]:
+        ref = forward_logprobs(engine.model, prompt, s.token_ids)
+        torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-4, rtol=1e-4)
+
+
+async def test_abort_of_one_request_leaves_the_others_running(engine) -> None:
+    engine._eos.clear()
+    ids = engine.tokenizer("abort one")["input_ids"]
+    kept = asyncio.create_task(engine.generate(ids, SamplingSpec(n=1, max_tokens=150, seed=6)))
+    gone = asyncio.create_task(engine.generate(ids, SamplingSpec(n=2, max_tokens=150), request_id="r-one"))
+    while engine._running_rows < 3:
+        await asyncio.sleep(0.001)
+    await engine.abort("r-one")
+    aborted = await gone
+    assert all(s.finish_reason == FINISH_ABORTED and len(s.token_ids) < 150 for s in aborted)
+    assert engine._running_rows == 1 and not kept.done()  # its rows left the batch; the other row goes on
+    (s,) = await kept
+    assert s.finish_reason == FINISH_LENGTH and len(s.token_ids) == 150
+    torch.testing.assert_close(torch.tensor(s.logprobs), forward_logprobs(engine.model, ids, s.token_ids),
+                               atol=1e-4, rtol=1e-4)  # fmt: skip
+
+
+async def test_a_failing_forward_aborts_its_rows_and_the_engine_serves_on(engine) -> None:
+    forward, calls = engine._forward_sync, []
+
+    def failing(state):  # the real forward, failing once in a decode step
+        calls.append(state["cache"] is None)
+        if len(calls) == 4:
+            raise RuntimeError("backend failure")
+        return forward(state)
+
+    engine._forward_sync = failing
+    ids = engine.tokenizer("fail")["input_ids"]
+    engine._eos.clear()
+    (s,) = await engine.generate(ids, SamplingSpec(n=1, max_tokens=20))
+    assert s.finish_reason == FINISH_ABORTED and len(s.token_ids) == 3  # what came before the failure is kept
+    (t,) = await engine.generate(ids, SamplingSpec(n=1, max_tokens=5))
+    assert t.finish_reason == FINISH_LENGTH and len(t.token_ids) == 5

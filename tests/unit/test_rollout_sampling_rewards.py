@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rollout_server.engines.sampling import RowParams, sample
-from rollout_server.rewards import last_boxed, math_equal, math_reward, normalize_answer
+from tether.scorers import last_boxed, math_equal, math_reward, normalize_answer
 
 
 def _params(rows: list[tuple[float, float, int, int | None]]) -> RowParams:
@@ -60,6 +60,23 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
     assert probs[0] < 0.8 < probs[0] + probs[1]
     tokens, _ = sample(logits, _params([(1.0, 0.8, 0, None)] * 400))
     assert set(tokens.tolist()) == {0, 1}
+
+
+def test_full_support_path_draws_from_the_distribution_it_reports() -> None:
+    """No row truncates (the sort-free path): token frequencies follow softmax(logits / T) within 4 sigma,
+    log-probs are exactly its log_softmax, and greedy rows in the same batch take the argmax with T = 1
+    log-probs."""
+    torch.manual_seed(2)
+    logits, draws = torch.randn(6) * 2, 20000
+    params = _params([(0.8, 1.0, 0, None)] * draws + [(0.0, 1.0, 0, None)] * 3)
+    assert not params.truncates and params.has_greedy
+    tokens, logps = sample(logits.repeat(draws + 3, 1), params)
+    want = torch.softmax(logits / 0.8, -1)
+    freq = torch.bincount(tokens[:draws], minlength=6).float() / draws
+    torch.testing.assert_close(freq, want, atol=4 * (0.25 / draws) ** 0.5, rtol=0)
+    torch.testing.assert_close(logps[:draws], torch.log_softmax(logits / 0.8, -1)[tokens[:draws]])
+    assert tokens[draws:].tolist() == [int(logits.argmax())] * 3
+    torch.testing.assert_close(logps[draws:], torch.log_softmax(logits, -1)[logits.argmax()].repeat(3))
 
 
 def test_seeded_rows_are_reproducible() -> None:

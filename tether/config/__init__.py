@@ -6,6 +6,7 @@ second, before torch, vLLM or transformers are imported.
 
 from tether.config.algorithm import AlgorithmConfig
 from tether.config.buffer import BufferConfig
+from tether.config.critic import CriticConfig
 from tether.config.learner import LearnerConfig
 from tether.config.loader import (
     ConfigError,
@@ -25,6 +26,7 @@ __all__ = [
     "AlgorithmConfig",
     "BufferConfig",
     "ConfigError",
+    "CriticConfig",
     "LearnerConfig",
     "ModelConfig",
     "RolloutConfig",

@@ -13,9 +13,24 @@ class AlgorithmConfig(Section):
     max_staleness: int = Field(default=1, ge=0)
     """Policy versions rollout may run ahead of the learner (AReaL's eta). 0: synchronous on-policy."""
 
-    adv_estimator: Literal["grpo", "dr_grpo"] = "grpo"
+    adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"] = (
+        "grpo"
+    )
     """``grpo``: reward minus group mean (optionally over group std); ``dr_grpo``: no std
-    normalisation, and the loss is aggregated as ``seq-mean-token-sum-norm``."""
+    normalisation, and the loss is aggregated as ``seq-mean-token-sum-norm``; ``rloo``: reward minus the
+    mean of the group's other samples; ``reinforce_plus_plus``: discounted return whitened over the batch;
+    ``reinforce_plus_plus_baseline``: reward minus group mean, whitened over the batch; ``gae``: PPO with a
+    critic (the ``critic`` section), generalised advantage estimation. verl's formulas and names."""
+
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    """Discount per token (``gae``, ``reinforce_plus_plus``)."""
+
+    lam: float = Field(default=1.0, ge=0, le=1)
+    """GAE's lambda: 1 is the Monte-Carlo return minus the value, 0 the one-step TD error."""
+
+    loss_mode: Literal["vanilla"] = "vanilla"
+    """The policy loss (verl's ``policy_loss.loss_mode``): ``vanilla`` is decoupled PPO-clip with the
+    clip, importance-sampling, KL and entropy knobs below."""
 
     norm_adv_by_std_in_grpo: bool = True
     """Divide GRPO advantages by the group's reward standard deviation."""
@@ -64,4 +79,5 @@ class AlgorithmConfig(Section):
         if self.adv_estimator == "dr_grpo" and self.norm_adv_by_std_in_grpo:
             # Dr.GRPO is defined without the std normalisation; make the config say what runs.
             object.__setattr__(self, "norm_adv_by_std_in_grpo", False)
+            object.__setattr__(self, "loss_agg_mode", "seq-mean-token-sum-norm")
         return self

@@ -46,6 +46,11 @@ class LearnerConfig(Section):
     max_token_len_per_gpu: int = Field(default=8192, gt=0)
     """Token budget of one micro-batch on one GPU with ``use_dynamic_bsz``."""
 
+    ulysses_sequence_parallel_size: int = Field(default=1, gt=0)
+    """Ulysses sequence parallelism: SP consecutive learner ranks share each packed row (a 1/SP slice of
+    the tokens each, heads exchanged around attention), so the ranks form W/SP data-parallel groups and
+    ``max_token_len_per_gpu`` x SP is a group's token budget. Needs ``use_remove_padding`` (verl name)."""
+
     log_prob_micro_batch_size_per_gpu: int | None = Field(default=None, gt=0)
     """Micro-batch of forward-only passes (log-prob recomputation, reference); empty: 2x training."""
 
@@ -83,6 +88,11 @@ class LearnerConfig(Section):
     enable_gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
 
+    enable_activation_offload: bool = False
+    """Keep the activations saved for backward in pinned CPU memory (with gradient checkpointing: the
+    blocks' inputs) and bring them back in backward (verl's name). CUDA only; on CPU it is ignored with
+    one log line."""
+
     forward_prefetch: bool = False
     """Prefetch the next block's all-gather during forward (FSDP2)."""
 
@@ -105,11 +115,33 @@ class LearnerConfig(Section):
     """Write the final weights in Hugging Face format to ``{run}/final``."""
 
     data_path: str = ""
-    """JSONL of prompts (``{"prompt": ..., "answer": ...}``) or ``demo:<task>`` for a built-in task. Empty:
-    the learner feeds no prompts and trains only on episodes that custom environments drive."""
+    """Prompts: a ``.parquet`` file (read in batches, verl's layout as is), a ``.jsonl``, ``.json`` or
+    ``.csv`` file, a folder a ``datasets`` ``save_to_disk`` wrote or of data files ``load_dataset`` reads,
+    or ``demo:<task>`` for a built-in task (see docs/DATA.md). Empty: the learner feeds no prompts and
+    trains only on episodes that custom environments drive."""
 
     prompt_key: str = "prompt"
-    """Field of a JSONL row holding the prompt."""
+    """Column holding the prompt: a string (sent as it is) or a list of chat messages (rendered with the
+    tokenizer's chat template and the generation prompt) (verl: ``data.prompt_key``)."""
+
+    answer_key: str = ""
+    """Column of the reference answer (``a.b`` reads a field of a struct column), put in the reward context
+    as ``answer``; empty: ``answer``, else verl's ``reward_model.ground_truth``."""
+
+    data_source_key: str = "data_source"
+    """Column naming the row's data source: rewards are routed by it (``rollout.reward.type: data_source``)
+    and evaluation metrics are split by it."""
+
+    max_prompt_length: int | None = Field(default=None, gt=0)
+    """Longest prompt in tokens (after the chat template); empty: no limit here (rollout servers still
+    refuse prompts over ``rollout.max_prompt_len``) (verl: ``data.max_prompt_length``)."""
+
+    truncation: Literal["error", "left", "right"] = "error"
+    """A prompt over ``max_prompt_length``: ``error`` fails at start naming the row; ``left``/``right``
+    keep its last/first tokens (verl: ``data.truncation``)."""
+
+    filter_overlong_prompts: bool = False
+    """Drop prompts over ``max_prompt_length`` instead (counted and shown at start) (verl name)."""
 
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
@@ -120,8 +152,8 @@ class LearnerConfig(Section):
     """Give up (exit with an error) when no trajectory group arrives for this long; 0: wait forever."""
 
     val_data_path: str = ""
-    """Held-out prompts for evaluation during training: a JSONL file (same fields as ``data_path``) or
-    ``demo:<task>`` (that task's held-out split). Empty: no evaluation."""
+    """Held-out prompts for evaluation during training: a file or folder as for ``data_path`` (same columns)
+    or ``demo:<task>`` (that task's held-out split). Empty: no evaluation."""
 
     test_freq: int = Field(default=0, ge=0)
     """Evaluate every this many learner steps, and after the last step (verl name); 0: never."""
@@ -139,7 +171,7 @@ class LearnerConfig(Section):
     """Most completion tokens per evaluation sample; empty: ``rollout.max_tokens``."""
 
     val_max_prompts: int | None = Field(default=None, gt=0)
-    """Prompts per evaluation round: the first N rows of the JSONL (empty: all of them), or N held-out
+    """Prompts per evaluation round: the first N rows of the dataset (empty: all of them), or N held-out
     rows of a demo task (empty: 128)."""
 
     val_timeout_s: float = Field(default=300.0, gt=0)
@@ -150,7 +182,7 @@ class LearnerConfig(Section):
     def _evaluation(self) -> LearnerConfig:
         if (self.test_freq or self.val_before_train) and not self.val_data_path:
             raise ValueError("val_data_path is empty but test_freq/val_before_train ask for evaluation — set "
-                             "learner.val_data_path (a JSONL file or demo:TASK)")  # fmt: skip
+                             "learner.val_data_path (a dataset file or folder, or demo:TASK)")  # fmt: skip
         if self.val_data_path.startswith("demo:"):
             from tether.tasks import DEMO_TASKS
 
@@ -160,6 +192,14 @@ class LearnerConfig(Section):
         if self.val_n > 1 and self.val_temperature == 0:
             raise ValueError(f"val_n is {self.val_n} but val_temperature is 0: greedy samples are all the same — "
                              "set learner.val_temperature > 0 or learner.val_n: 1")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_parallel(self) -> LearnerConfig:
+        if self.ulysses_sequence_parallel_size > 1 and not self.use_remove_padding:
+            raise ValueError(f"ulysses_sequence_parallel_size is {self.ulysses_sequence_parallel_size} but "
+                             "use_remove_padding is false — sequence parallelism splits packed rows; set "
+                             "learner.use_remove_padding: true")  # fmt: skip
         return self
 
     @model_validator(mode="after")

@@ -4,9 +4,38 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from tether.config.base import Section
+
+
+class LoraConfig(Section):
+    """LoRA adapters on the actor (peft): only they train, only they travel to the rollout fleet."""
+
+    rank: int = Field(default=8, gt=0)
+    """Adapter rank r (verl: ``lora_rank``)."""
+
+    alpha: float = Field(default=16.0, gt=0)
+    """Scale numerator: the adapter adds ``alpha / rank * B @ A`` to each target weight (verl: ``lora_alpha``)."""
+
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names to adapt (``q_proj``, ``v_proj``, ...) or ``all-linear`` (every linear layer but the LM
+    head), as peft reads them (verl: ``target_modules``)."""
+
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapter input in training forwards (peft ``lora_dropout``); it makes the update's
+    log-probs noisy, so RL runs usually keep 0."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, v: list[str] | str) -> list[str] | str:
+        if isinstance(v, list) and not v:
+            raise ValueError("target_modules is empty: name the modules to adapt or use all-linear")
+        return v
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
 
 
 class ModelConfig(Section):
@@ -26,3 +55,7 @@ class ModelConfig(Section):
 
     trust_remote_code: bool = False
     """Allow model folders that ship their own modelling code."""
+
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of the full actor (``{rank, alpha, target_modules, dropout}``); weight
+    updates then carry adapter tensors only. Empty: full fine-tuning."""

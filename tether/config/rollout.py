@@ -96,7 +96,34 @@ class RemoteReward(Section):
     """Bearer token sent to the service, if it requires one."""
 
 
-RewardConfig = Annotated[ExactMatchReward | MathReward | DemoReward | RemoteReward, Field(discriminator="type")]
+class DataSourceReward(Section):
+    """A scorer per row by its ``data_source`` (verl's reward routing): built-in rules or the remote service."""
+
+    type: Literal["data_source"] = "data_source"
+    scorers: dict[str, str] = Field(default_factory=dict)
+    """``data_source`` -> scorer (``gsm8k``, ``math``, ``math_any``, ``exact_match``, ``demo`` or ``remote``),
+    added to the built-in routes (``openai/gsm8k``, ``lighteval/MATH``, the demo tasks, …; see
+    ``tether/scorers.py``). A data source of the dataset with no route fails the learner at start."""
+    remote: RemoteReward | None = None
+    """The reward service of the sources routed to ``remote``."""
+
+    @model_validator(mode="after")
+    def _known_scorers(self) -> DataSourceReward:
+        from tether.scorers import REMOTE, SCORERS
+
+        for source, name in self.scorers.items():
+            if name not in SCORERS and name != REMOTE:
+                raise ValueError(f"scorers[{source!r}]: unknown scorer {name!r}; known: "
+                                 f"{', '.join([*SCORERS, REMOTE])}")  # fmt: skip
+            if name == REMOTE and self.remote is None:
+                raise ValueError(f"scorers[{source!r}] is 'remote' but rollout.reward.remote is not set "
+                                 "(give remote: {address: host:port})")  # fmt: skip
+        return self
+
+
+RewardConfig = Annotated[
+    ExactMatchReward | MathReward | DemoReward | RemoteReward | DataSourceReward, Field(discriminator="type")
+]
 
 
 class RolloutConfig(Section):
@@ -104,7 +131,7 @@ class RolloutConfig(Section):
     """Generation backend: ``type: transformers | vllm | sglang``."""
 
     reward: RewardConfig = Field(default_factory=DemoReward)
-    """How completions of the prompts stream are scored: ``type: exact_match | math | demo | remote``."""
+    """How completions of the prompts stream are scored: ``type: exact_match | math | demo | remote | data_source``."""
 
     n: int = Field(default=8, gt=0)
     """Samples per prompt: the GRPO group size G (verl: ``rollout.n``)."""

@@ -7,6 +7,7 @@ from pydantic import Field
 from tether.config.algorithm import AlgorithmConfig
 from tether.config.base import Section
 from tether.config.buffer import BufferConfig
+from tether.config.critic import CriticConfig
 from tether.config.learner import LearnerConfig
 from tether.config.model import ModelConfig
 from tether.config.rollout import RolloutConfig
@@ -21,4 +22,5 @@ class TetherConfig(Section):
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)

@@ -7,7 +7,7 @@ they print goes to ``<name>.out``). It returns when the learner finishes. Ctrl-C
 child stop everything the same way (no orphan processes): the children get SIGTERM, so the learner
 finishes its step and checkpoints; then the books and the plot are written and the embedded Redis saves
 its data in the run folder, so ``tether up --resume`` continues where the run stopped. The console
-(:mod:`tether.console`) reports on a terminal or a pipe alike, says in one line what keeps a run from
+(:mod:`tether.commands.console`) reports on a terminal or a pipe alike, says in one line what keeps a run from
 training (:class:`buffer.health.RunWatch`, plus a check of a remote reward service before the start),
 and every ending closes with a summary.
 """
@@ -136,6 +136,12 @@ def save_buffer_stats(cfg: TetherConfig, paths: RunPaths) -> None:
 
 def up(cfg: TetherConfig, *, resume: bool = False) -> int:
     check_model_path(cfg)
+    from learner.data import check_datasets
+
+    try:
+        check_datasets(cfg)  # a missing column or a data source without a scorer: before anything starts
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     gpus = plan_devices(cfg, count_gpus())  # a config that cannot fit this box fails before anything starts
     check_redis(cfg)
     if cfg.run.run_id is None:
@@ -172,7 +178,7 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
             spec = ChildSpec(name, cmd, paths.console_file(name), env={**env, **gpus.rollout_envs[i]}, restartable=True)
             supervisor.start(spec)
         from buffer.health import RunWatch
-        from tether.console import ProgressLine
+        from tether.commands.console import ProgressLine
 
         live = _with_redis(cfg, url)
         progress = ProgressLine(live, metrics_path=paths.metrics, watch=RunWatch(live))
@@ -203,7 +209,7 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
         if embedded is not None:
             embedded.stop(save=True)  # its data stays in the run folder for `tether up --resume`
             paths.redis_url_file.unlink(missing_ok=True)
-        from tether.console import summary_lines
+        from tether.commands.console import summary_lines
 
         for line in summary_lines(cfg, paths, outcome=outcome, started=started):
             print(f"tether: {line}", flush=True)

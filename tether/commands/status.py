@@ -1,4 +1,4 @@
-"""``tether status``: a run, as Redis sees it (``tether up``'s console, :mod:`tether.console`, reuses the samples).
+"""``tether status``: a run, as Redis sees it (the console of ``tether up`` reuses the samples).
 
 Everything shown is read from the run's Redis keys (``buffer.keys.RedisKeys``): the published policy
 version, the learner's hash (``step``, ``reward_mean``, ``tokens_per_s`` when it publishes them), buffer

@@ -22,11 +22,11 @@ import redis
 
 from buffer import RedisKeys
 from buffer.health import RunWatch
+from tether.commands.status import _fmt, _rate, _recent_staleness, _Sample
 from tether.config import TetherConfig
 from tether.logs import get_logger
 from tether.redis_server import connect_redis, redacted
 from tether.runs import RunPaths
-from tether.status import _fmt, _rate, _recent_staleness, _Sample
 
 log = get_logger(__name__)
 

@@ -6,6 +6,7 @@
     tether rollout --config cfg.yaml --run.run_id r1 one rollout server
     tether status --config cfg.yaml --run.run_id r1  a live view of a running run
     tether config --config cfg.yaml [overrides]      print the resolved config
+    tether plan --from-run runs/<id>                 simulate the fleet: replay a run, or project a split
     tether make-tiny-model DIR                       a tiny local model for tests and the demo
     tether make-tiny-model DIR --warm-start addition  ... then trained to be partly right at a task
 
@@ -76,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("config", help="validate a config and print it resolved")
     _add_config(show)
 
+    from tether.plan.cli import add_parser as add_plan
+
+    add_plan(sub)
+
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random model + byte-level tokenizer")
     tiny.add_argument("out_dir", metavar="DIR")
     tiny.add_argument("--hidden", type=int, default=128, help="hidden size (default 128)")
@@ -117,7 +122,7 @@ def cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
         args.config = args.config or str(folder / "config.yaml")
         overrides = ["--run.run_id", folder.name, "--run.output_dir", str(folder.parent), *overrides]
     cfg = _load(args, overrides)
-    from tether.launcher import up
+    from tether.commands.launcher import up
 
     return up(cfg, resume=bool(args.resume))
 
@@ -125,7 +130,7 @@ def cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load(args, overrides)
     _require_run_id(cfg)
-    from tether.launcher import check_redis, learner_command
+    from tether.commands.launcher import check_redis, learner_command
 
     if args.node_rank == 0:  # rank 0 is the one that talks to Redis
         check_redis(cfg)
@@ -149,7 +154,7 @@ def cmd_rollout(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load(args, overrides)
     _require_run_id(cfg)
     _split_threads(cfg, "rollout")  # before torch is imported: it reads OMP_NUM_THREADS once
-    from tether.launcher import check_redis
+    from tether.commands.launcher import check_redis
 
     try:  # a server may start before Redis does: say so, then keep retrying as it always does
         check_redis(cfg)
@@ -173,7 +178,7 @@ def _split_threads(cfg: TetherConfig, role: str) -> None:
 def cmd_status(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load(args, overrides)
     _require_run_id(cfg)
-    from tether.status import show_status
+    from tether.commands.status import show_status
 
     return show_status(cfg, watch=args.watch)
 
@@ -181,6 +186,12 @@ def cmd_status(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
     print(dump_config(_load(args, overrides)), end="")
     return 0
+
+
+def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tether.plan.cli import cmd_plan as run_plan
+
+    return run_plan(args, overrides)
 
 
 def cmd_make_tiny_model(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -227,6 +238,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "rollout": cmd_rollout,
     "status": cmd_status,
     "config": cmd_config,
+    "plan": cmd_plan,
     "make-tiny-model": cmd_make_tiny_model,
 }
 

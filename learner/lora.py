@@ -1,0 +1,80 @@
+"""LoRA on the actor: peft adapters under FSDP2, adapter-only weight updates, adapter + merged export.
+
+``model.lora`` wraps the loaded HF model with peft's ``get_peft_model`` before sharding; peft freezes
+the base weights, so the optimizer (which takes ``requires_grad`` parameters) holds the adapters only and
+FSDP2 shards both kinds in the same blocks. Weight updates send the adapter tensors alone, named as peft
+saves them (``base_model.model.<module>.lora_A.weight``; see :func:`adapter_params`), and the rollout
+servers add ``alpha / rank * B @ A`` to their own copy of the base weights (:mod:`weight_sync.lora`).
+Checkpoints hold the adapters and their optimizer state (the base weights are ``model.path``'s);
+``final/`` holds the merged Hugging Face model and ``final/adapter/`` the peft adapter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tether.config.model import LoraConfig
+from tether.logs import get_logger
+
+log = get_logger(__name__)
+
+ADAPTER_DIR = "adapter"
+"""Sub-folder of ``final/`` with the peft adapter (``PeftModel.from_pretrained(base, final/adapter)``)."""
+
+
+def peft_config(lora: LoraConfig):
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        target_modules=lora.target_modules,
+        lora_dropout=lora.dropout,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
+    """Wrap ``model`` with fresh adapters (B = 0, so the output is the base model's at first)."""
+    try:
+        from peft import get_peft_model
+    except ImportError:
+        raise RuntimeError("model.lora needs the peft package: pip install -e .[lora]") from None
+    wrapped = get_peft_model(model, peft_config(lora))
+    if lora.dropout:
+        # from_pretrained leaves the model in eval mode, where peft's dropout does nothing.
+        for name, module in wrapped.named_modules():
+            if name.endswith("lora_dropout.default"):
+                module.train()
+    trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    log.info("lora_applied", rank=lora.rank, alpha=lora.alpha, trainable=trainable,
+             total=sum(p.numel() for p in wrapped.parameters()))  # fmt: skip
+    return wrapped
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def peft_name(name: str) -> str:
+    """``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight`` (the name peft saves)."""
+    return name.replace(".default.", ".")
+
+
+def adapter_params(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The trainable adapter parameters under the names peft saves them with: what a weight update sends."""
+    return [(peft_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def export(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], *, out_dir: Path) -> torch.nn.Module:
+    """Rank 0: write the adapter to ``out_dir/adapter``; returns a plain HF model with it merged in."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    copy = get_peft_model(AutoModelForCausalLM.from_config(model.config), model.peft_config["default"])
+    copy.load_state_dict(state_dict)
+    copy.save_pretrained(Path(out_dir) / ADAPTER_DIR, safe_serialization=True)
+    return copy.merge_and_unload()

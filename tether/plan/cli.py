@@ -1,0 +1,146 @@
+"""The ``tether plan`` subcommand: calibrate against a run, project one split, find the best, or sweep.
+
+    tether plan --from-run runs/<id>                                 predicted vs measured for a finished run
+    tether plan --config cfg.yaml --learner-gpus 8 --rollout-gpus 24 one split at the rates file's rates
+    tether plan --config cfg.yaml --total-gpus 64                    the split with the most samples/s
+    tether plan --config cfg.yaml --learner-gpus 8 --sweep docs/plan splits × max_staleness: a table and a PNG
+
+``--rates FILE`` picks the rates (default ``configs/rates/h100-7b.yaml``); dotted overrides
+(``--algorithm.max_staleness 2``) change the config as everywhere else. ``--json FILE`` also writes the
+figures as JSON. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tether.config import ConfigError, load_config
+
+if TYPE_CHECKING:
+    from tether.plan.project import Projection
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="simulate the fleet: calibrate on a run, or project throughput, staleness, Redis")
+    p.add_argument("--config", "-c", metavar="FILE", help="YAML config whose protocol is simulated")
+    p.add_argument("--from-run", metavar="RUN_DIR", help="replay a finished run and compare with what it measured")
+    p.add_argument("--rates", metavar="FILE", help="rates file (default configs/rates/h100-7b.yaml)")
+    p.add_argument("--learner-gpus", type=int, help="learner GPUs")
+    p.add_argument("--rollout-gpus", type=int, help="rollout GPUs")
+    p.add_argument("--total-gpus", type=int, help="find the split of this many GPUs with the most samples/s")
+    p.add_argument("--learner-step", type=int, default=8, help="learner GPUs come in multiples of this (default 8)")
+    p.add_argument("--sweep", metavar="OUT_DIR", help="write sweep.md and sweep.png over --ratios × --staleness")
+    p.add_argument("--ratios", default="0.25,0.5,1,2,3,4", help="rollout:learner GPU ratios of the sweep")
+    p.add_argument("--staleness", default="0,1,2,4", help="max_staleness values of the sweep")
+    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    p.epilog = "Any further --section.key VALUE pairs override the config file."
+
+
+def _numbers(text: str, kind: type, flag: str) -> list:
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise ConfigError(f"{flag}: expected non-negative numbers, got {text!r}")
+    return values
+
+
+def _write_json(path: str | None, payload: dict) -> None:
+    if path:
+        Path(path).write_text(json.dumps(payload, indent=1, default=str) + "\n")
+
+
+def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.from_run:
+        if args.config or overrides or args.learner_gpus or args.rollout_gpus or args.total_gpus or args.sweep:
+            raise ConfigError("--from-run takes the run's own config; leave out --config, GPU counts and overrides")
+        from tether.plan.calibrate import calibrate, report
+
+        cal = calibrate(args.from_run)
+        print(report(cal))
+        m, p = cal.measured, cal.predicted
+        _write_json(
+            args.json,
+            {
+                "measured": {**asdict(m), "staleness_mean": m.staleness_mean},
+                "predicted": {
+                    **{k: v for k, v in asdict(p).items() if k != "step_times"},
+                    "staleness_mean": p.staleness_mean,
+                },
+                "rollout_tokens_per_s": cal.rollout_tokens_per_s,
+            },
+        )
+        return 0
+
+    cfg = load_config(args.config, overrides)
+    from tether.plan.project import best_split, describe, project, sweep, sweep_plot, sweep_table
+    from tether.plan.rates import load_rates
+
+    rates = load_rates(args.rates)
+    print(f"rates: {rates.setting} ({args.rates or 'configs/rates/h100-7b.yaml'}; sources in the file)")
+    if args.sweep:
+        if not args.learner_gpus:
+            raise ConfigError("--sweep needs --learner-gpus (the ratios multiply it)")
+        rows = sweep(
+            cfg,
+            rates,
+            learner_gpus=args.learner_gpus,
+            ratios=_numbers(args.ratios, float, "--ratios"),
+            staleness=_numbers(args.staleness, int, "--staleness"),
+        )
+        out = Path(args.sweep)
+        out.mkdir(parents=True, exist_ok=True)
+        table = sweep_table(rows)
+        (out / "sweep.md").write_text(table + "\n")
+        png = sweep_plot(
+            rows,
+            out / "sweep.png",
+            title=f"{rates.setting}; B={cfg.learner.train_batch_size}, "
+            f"n={cfg.rollout.n}, max_tokens={cfg.rollout.max_tokens}",
+        )
+        print(table)
+        print(f"wrote {out / 'sweep.md'} and {png}")
+        _write_json(args.json, {"sweep": [_as_json(p) for p in rows]})
+        return 0
+    if args.total_gpus:
+        best, tried = best_split(cfg, rates, total_gpus=args.total_gpus, learner_step=args.learner_step)
+        for p in tried:
+            print(f"  {p.learner_gpus:>5} learner + {p.rollout_gpus:>5} rollout: {p.sim.samples_per_s:,.1f} samples/s")
+        print(f"best split of {args.total_gpus} GPUs at max_staleness {best.max_staleness}:")
+        print(describe(best))
+        _write_json(args.json, {"best": _as_json(best), "tried": [_as_json(p) for p in tried]})
+        return 0
+    if not (args.learner_gpus and args.rollout_gpus):
+        raise ConfigError(
+            "tether plan: give --from-run RUN_DIR, or --learner-gpus and --rollout-gpus, or "
+            "--total-gpus, or --learner-gpus with --sweep"
+        )
+    p = project(cfg, rates, learner_gpus=args.learner_gpus, rollout_gpus=args.rollout_gpus)
+    print(describe(p))
+    _write_json(args.json, _as_json(p))
+    return 0
+
+
+def _as_json(p: Projection) -> dict:
+    s = p.sim
+    return {
+        "learner_gpus": p.learner_gpus,
+        "rollout_gpus": p.rollout_gpus,
+        "max_staleness": p.max_staleness,
+        "samples_per_s": s.samples_per_s,
+        "learner_idle": s.learner_idle,
+        "sync_share": s.sync_share,
+        "rollout_busy": s.rollout_busy,
+        "staleness": s.staleness,
+        "staleness_mean": s.staleness_mean,
+        "trajectory_mb_per_s": p.trajectory_mb_per_s,
+        "redis_mb_per_s": p.redis_mb_per_s,
+        "redis_saturated": p.redis_saturated,
+        "redis_memory_mb": p.redis_memory_mb,
+        "redis_bound_mb": p.redis_bound_mb,
+    }

@@ -1,0 +1,178 @@
+"""Projections: one GPU split, the best split of a GPU budget, and a sweep over splits and staleness.
+
+Each projection simulates the config's protocol (:mod:`tether.plan.sim`) on the fleet a rates file
+gives (:func:`tether.plan.rates.fleet_for`) and adds what the simulation implies for Redis: trajectory
+bytes/s (payload, one pass) against one Redis's measured put → read → ack throughput, and the stream's
+memory at its fullest. Past that throughput one Redis is the bottleneck; the planner says so (sharding
+the trajectories stream is not built, see docs/PLANNER.md).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+from tether.config import TetherConfig
+from tether.plan.fleet import Fleet
+from tether.plan.rates import Rates, fleet_for, group_bytes
+from tether.plan.sim import SimResult, simulate_mean
+
+GROUPS_SIMULATED = 3000
+"""Groups to simulate per projection after warm-up (at least 6 steps, at most 30): enough for a steady
+rate at any batch size, few enough that a sweep of a large fleet takes a minute."""
+
+
+def _horizon(fleet: Fleet) -> tuple[int, int]:
+    """(steps, warmup): warm-up covers the versions admission lets the rollout side run ahead."""
+    warmup = fleet.max_staleness + 3
+    measured = min(30, max(6, -(-GROUPS_SIMULATED // fleet.train_batch_size)))
+    return warmup + measured, warmup
+
+
+@dataclass(frozen=True)
+class Projection:
+    learner_gpus: int
+    rollout_gpus: int
+    max_staleness: int
+    fleet: Fleet
+    sim: SimResult
+    group_bytes: float
+    redis_mb_per_s: float
+    """One Redis's measured throughput (the rates file)."""
+
+    @property
+    def trajectory_mb_per_s(self) -> float:
+        """Payload written to the trajectories stream (generated groups, trained or dropped)."""
+        produced = self.sim.groups_per_s * (1 + self.sim.dropped_stale / max(1, sum(self.sim.staleness.values())))
+        return produced * self.group_bytes / 1e6
+
+    @property
+    def redis_memory_mb(self) -> float:
+        """The stream at its fullest in the simulation."""
+        return self.sim.max_buffer_groups * self.group_bytes / 1e6
+
+    @property
+    def redis_bound_mb(self) -> float:
+        """Admission's worst case: every prompt in flight answered and waiting."""
+        f = self.fleet
+        return (f.max_staleness + 1) * f.prompts_per_version * self.group_bytes / 1e6
+
+    @property
+    def redis_saturated(self) -> bool:
+        return self.trajectory_mb_per_s > self.redis_mb_per_s
+
+
+def project(
+    cfg: TetherConfig, rates: Rates, *, learner_gpus: int, rollout_gpus: int, max_staleness: int | None = None
+) -> Projection:
+    if max_staleness is not None:
+        cfg = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"max_staleness": max_staleness})})
+    fleet = fleet_for(cfg, rates, learner_gpus=learner_gpus, rollout_gpus=rollout_gpus)
+    steps, warmup = _horizon(fleet)
+    sim = simulate_mean(fleet, steps=steps, warmup=warmup, seeds=2 if fleet.train_batch_size < 256 else 1)
+    return Projection(
+        learner_gpus=learner_gpus,
+        rollout_gpus=rollout_gpus,
+        max_staleness=fleet.max_staleness,
+        fleet=fleet,
+        sim=sim,
+        group_bytes=group_bytes(
+            n=fleet.n, prompt_tokens=fleet.prompt_tokens, completion_tokens=fleet.lengths.mean_tokens()
+        ),
+        redis_mb_per_s=rates.redis.mb_per_s,
+    )
+
+
+def best_split(
+    cfg: TetherConfig, rates: Rates, *, total_gpus: int, learner_step: int = 8, max_staleness: int | None = None
+) -> tuple[Projection, list[Projection]]:
+    """Every split of ``total_gpus`` with learner GPUs a multiple of ``learner_step`` (and a whole number of
+    rollout engines); the one with the most samples/s first, then all of them in order of learner GPUs."""
+    tp = rates.rollout.tensor_parallel_size
+    tried = []
+    for learner in range(learner_step, total_gpus, learner_step):
+        rollout = (total_gpus - learner) // tp * tp
+        if rollout >= tp:
+            tried.append(project(cfg, rates, learner_gpus=learner, rollout_gpus=rollout, max_staleness=max_staleness))
+    if not tried:
+        raise ValueError(f"no split of {total_gpus} GPUs leaves {learner_step}+ learner GPUs and one rollout engine")
+    return max(tried, key=lambda p: p.sim.samples_per_s), tried
+
+
+def describe(p: Projection) -> str:
+    s, f = p.sim, p.fleet
+    total = sum(s.staleness.values()) or 1
+    hist = "  ".join(f"{k}: {v / total:.0%}" for k, v in sorted(s.staleness.items()))
+    step_s = 1 / s.steps_per_s
+    lines = [
+        f"{p.learner_gpus} learner GPUs + {p.rollout_gpus} rollout GPUs ({f.servers} engines × {f.slots_per_server} "
+        f"groups), max_staleness {f.max_staleness}, sync_every {f.sync_every}, inflight {f.inflight}",
+        f"  throughput        {s.samples_per_s:,.1f} samples/s ({s.groups_per_s:,.2f} groups/s), "
+        f"{step_s:.1f} s per learner step",
+        f"  learner           busy {1 - s.learner_idle - s.sync_share:.0%}, waiting for data {s.learner_idle:.0%}, "
+        f"weight sync {s.sync_share:.0%} of the time ({f.sync_s:.2f} s per update)",
+        f"  rollout           busy {s.rollout_busy:.0%} (generating)",
+        f"  staleness         mean {s.staleness_mean:.2f}   {hist}   dropped stale {s.dropped_stale}",
+        f"  redis             {p.trajectory_mb_per_s:,.1f} MB/s of trajectories ({p.group_bytes / 1e6:.2f} MB per "
+        f"group) vs {p.redis_mb_per_s:,.0f} MB/s one Redis moves; memory {p.redis_memory_mb:,.0f} MB at its fullest "
+        f"(admission bound {p.redis_bound_mb:,.0f} MB)",
+    ]
+    if p.redis_saturated:
+        lines.append(
+            "  WARNING: the trajectories exceed what one Redis moves — it becomes the bottleneck. See docs/PLANNER.md "
+            "(buffer.compression, fewer bytes per token, a faster Redis host; sharding is not built)."
+        )
+    return "\n".join(lines)
+
+
+def sweep(
+    cfg: TetherConfig, rates: Rates, *, learner_gpus: int, ratios: list[float], staleness: list[int]
+) -> list[Projection]:
+    tp = rates.rollout.tensor_parallel_size
+    out = []
+    for eta in staleness:
+        for r in ratios:
+            rollout = max(tp, round(learner_gpus * r / tp) * tp)
+            out.append(project(cfg, rates, learner_gpus=learner_gpus, rollout_gpus=rollout, max_staleness=eta))
+    return out
+
+
+def sweep_table(rows: list[Projection]) -> str:
+    head = (
+        "| max_staleness | learner GPUs | rollout GPUs | rollout:learner | samples/s | learner busy | rollout busy "
+        "| staleness mean | sync share | Redis MB/s | Redis MB peak |"
+    )
+    lines = [head, "|" + "---:|" * (head.count("|") - 1)]
+    for p in rows:
+        s = p.sim
+        lines.append(
+            f"| {p.max_staleness} | {p.learner_gpus} | {p.rollout_gpus} | {p.rollout_gpus / p.learner_gpus:.2g} | "
+            f"{s.samples_per_s:,.1f} | {1 - s.learner_idle - s.sync_share:.0%} | {s.rollout_busy:.0%} | "
+            f"{s.staleness_mean:.2f} | {s.sync_share:.0%} | {p.trajectory_mb_per_s:,.1f}"
+            f"{' (over)' if p.redis_saturated else ''} | {p.redis_memory_mb:,.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def sweep_plot(rows: list[Projection], path: Path, *, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for eta in sorted({p.max_staleness for p in rows}):
+        pts = sorted((p.rollout_gpus / p.learner_gpus, p.sim.samples_per_s) for p in rows if p.max_staleness == eta)
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"max_staleness {eta}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rollout GPUs : learner GPUs (log scale)")
+    ax.set_ylabel("samples/s (simulated)")
+    ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

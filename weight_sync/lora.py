@@ -1,0 +1,103 @@
+"""LoRA weight updates on a rollout server: adapter tensors in, ``W0 + alpha/rank * B @ A`` into the engine.
+
+With ``model.lora`` the learner sends only the adapters, named as peft saves them
+(``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``): per update ``r * (d_in + d_out)``
+numbers per adapted matrix instead of ``d_in * d_out``. The rollout server keeps the base weights
+(``W0``, what ``model.path`` holds) and sets each adapted weight to ``W0 + scale * B @ A`` — the merge
+peft's ``merge_and_unload`` does, computed in float32 and cast to the engine's dtype. Which updates are
+adapters follows from the configuration (``model.lora`` is one setting, read by the learner and every
+server); the names are checked, and a full update under a LoRA configuration is refused.
+
+The transformers engine copies its own ``W0`` of each adapted weight the first time it is updated
+(:class:`AdapterApplier`). vLLM workers instead reload every weight of the model from ``model.path``
+with the adapted ones merged (:func:`merged_checkpoint`): its reload fuses q/k/v and gate/up itself,
+and a whole checkpoint is the input it is built for. Only adapter bytes cross the network either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+from weight_sync.buckets import checksum
+
+PREFIX = "base_model.model."
+_A, _B = ".lora_A.weight", ".lora_B.weight"
+
+
+def target_name(name: str) -> tuple[str, str]:
+    """``base_model.model.X.lora_A.weight`` -> (``X.weight``, ``"A"``); a clear error for anything else."""
+    for suffix, part in ((_A, "A"), (_B, "B")):
+        if name.startswith(PREFIX) and name.endswith(suffix):
+            return name[len(PREFIX) : -len(suffix)] + ".weight", part
+    raise ValueError(
+        f"weight update names {name!r}, which is not a LoRA adapter tensor (base_model.model.<module>.lora_A/B.weight)"
+        " — model.lora is set here, so the learner must run with the same model.lora"
+    )
+
+
+def adapter_pairs(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    """Group adapter tensors by the weight they adapt: ``{weight name: {"A": A, "B": B}}``, both present."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in named:
+        weight, part = target_name(name)
+        pairs.setdefault(weight, {})[part] = tensor
+    incomplete = [w for w, p in pairs.items() if len(p) != 2]
+    if incomplete:
+        raise ValueError(f"LoRA update has lora_A without lora_B (or the reverse) for {incomplete[:3]}")
+    return pairs
+
+
+def merge(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``base + scale * b @ a`` in float32, returned in ``base``'s dtype. base ``[out, in]``, a ``[r, in]``,
+    b ``[out, r]``."""
+    if a.shape[1] != base.shape[1] or b.shape[0] != base.shape[0] or a.shape[0] != b.shape[1]:
+        raise ValueError(f"LoRA shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit a {tuple(base.shape)} weight")
+    return (base.float() + scale * (b.float() @ a.float())).to(base.dtype)
+
+
+def received(named: list[tuple[str, torch.Tensor]], *, sums: bool) -> tuple[int, dict[str, float]]:
+    """Bytes and (optionally) checksums of the adapter tensors as received, under their peft names."""
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    return nbytes, {n: checksum(t) for n, t in named} if sums else {}
+
+
+class AdapterApplier:
+    """Sets an in-process module's adapted weights to ``W0 + scale * B @ A``, keeping each ``W0``."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+        self._base: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def load(self, model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], *, sums: bool):
+        named = list(named)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for weight, pair in adapter_pairs(named).items():
+            target = params.get(weight)
+            if target is None:
+                raise KeyError(f"LoRA update adapts {weight!r}, which this model does not have (model.path differs?)")
+            base = self._base.get(weight)
+            if base is None:
+                base = self._base[weight] = target.detach().clone()
+            a, b = pair["A"].to(target.device), pair["B"].to(target.device)
+            target.copy_(merge(base, a, b, self.scale))
+        return received(named, sums=sums)
+
+
+def merged_checkpoint(
+    named: Iterable[tuple[str, torch.Tensor]], base: Callable[[], Iterable[tuple[str, torch.Tensor]]], scale: float
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the base checkpoint, the adapted ones merged: what a whole-model reload takes."""
+    pairs = adapter_pairs(named)
+    seen = set()
+    for name, tensor in base():
+        pair = pairs.get(name)
+        if pair is not None:
+            seen.add(name)
+            tensor = merge(tensor, pair["A"].to(tensor.device), pair["B"].to(tensor.device), scale)
+        yield name, tensor
+    missing = sorted(set(pairs) - seen)
+    if missing:
+        raise KeyError(f"LoRA update adapts {missing[:3]}, which the base checkpoint (model.path) does not hold")
