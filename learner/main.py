@@ -5,11 +5,16 @@
 Per step: rank 0 feeds prompts and reads ``train_batch_size`` groups, broadcasts them (protobuf bytes)
 to every rank; all ranks train (:class:`learner.trainer.Trainer`); rank 0 acknowledges the groups after
 the optimizer step; every ``weight_sync.sync_every`` steps all ranks publish the weights as version v+1
-and rank 0 then records the version in Redis. Checkpoints every ``checkpoint_every`` steps and at the end.
+and rank 0 then records the version in Redis. With ``max_staleness`` ≥ 1 (and ``weight_sync.async_publish``)
+the publication is packed at once and sent while the next step trains; it is waited for at the end of that
+step (at most one in flight); admission counts from the version the servers hold, and the prompts a new
+version allows are fed the moment its commit is over (from the publication thread).
+Checkpoints every ``checkpoint_every`` steps and at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -166,13 +171,52 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
         save_checkpoint(paths.checkpoints, model=model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
                         state=state, critic=critic)  # fmt: skip
 
+    # Off the critical path when the bound allows: version v+1 is sent while step v+2 trains. Its step's
+    # metrics row waits for it (logged once its report is in), so every row still carries its own update.
+    background_ok = cfg.weight_sync.async_publish and cfg.algorithm.max_staleness >= 1
+    published = state.version  # the newest version the servers are known to hold (admission counts from it)
+    pending: tuple[int, dict[str, float]] | None = None  # (step, metrics) of the publication in flight
+
+    def committed(report: dict[str, float]) -> None:
+        """On the publication thread, the moment the servers hold the version: record it, and admit the
+        prompts it allows right away (in sync mode that happens before the next step, so must this)."""
+        nonlocal published
+        published = int(report["weight_sync/version"])
+        publish_version(client, feed.keys, published)
+        try:
+            feed.feed(published)
+        except redis.RedisError as e:  # the next read feeds again; nothing is lost by waiting for it
+            log.warning("redis_unavailable", during="feed after publish", error=str(e))
+
+    def servers_version() -> int:
+        return published
+
+    def settle() -> float:
+        """Wait for the publication in flight (if any), log its step's row; seconds waited."""
+        nonlocal pending
+        if pending is None:
+            return 0.0
+        start = time.perf_counter()
+        report = sender.wait()
+        waited = time.perf_counter() - start
+        step, row = pending
+        pending = None
+        if rank == 0:
+            row.update(report)
+            metrics.log(row, step=step)
+        return waited
+
     try:
         while state.step < lc.total_steps:
             t0 = time.perf_counter()
             batch, stop = [], _GO_ON
             if rank == 0:
                 try:
-                    batch = feed.next_batch(state.version, stop_requested=lambda: stop_signal.requested)
+                    batch = feed.next_batch(
+                        state.version,
+                        stop_requested=lambda: stop_signal.requested,
+                        admission_version=servers_version,
+                    )
                 except DataTimeout as e:
                     log.error("data_timeout", error=str(e))
                     stop = _FAILED
@@ -189,14 +233,23 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
                 feed.ack(batch)  # after the optimizer step that used them
                 trace.write(batch, step=state.step + 1)
                 state.data_position = feed.position
-                out.update(feed.admission_metrics(state.version))
+                out.update(feed.admission_metrics(published))
             state.step += 1
             t_sync = time.perf_counter()
+            out["timing/weight_sync_wait"] = settle()  # the previous step's publication, sent meanwhile
+            checkpoint_due = bool(lc.checkpoint_every) and state.step % lc.checkpoint_every == 0
+            background = False
             if state.step % cfg.weight_sync.sync_every == 0:
+                # The last step's and a checkpoint's publication complete first: the run's end, and a
+                # checkpoint's version, must be what Redis and the snapshots say.
+                background = background_ok and state.step < lc.total_steps and not checkpoint_due
                 with nvtx("weight_sync"):
-                    report = sender.publish(state.version + 1)
+                    report = sender.publish(
+                        state.version + 1, background=background, on_done=committed if rank == 0 else None
+                    )
                 state.version += 1
-                if rank == 0:
+                if rank == 0 and not background:
+                    published = state.version
                     publish_version(client, feed.keys, state.version)
                     out.update(report)
             t_sync = time.perf_counter() - t_sync
@@ -215,15 +268,20 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
             if peak and compute:
                 flops = train_flops(n_params, int(tokens) * lc.ppo_epochs, forward_passes=forward_passes)
                 out["perf/mfu"] = flops / (compute * peak * world)
-            if rank == 0:
+            if background:
+                pending = (state.step, out)
+            elif rank == 0:
                 metrics.log(out, step=state.step)
+            if rank == 0:
                 live.update(state.step, state.version, out)
                 if evaluator is not None:  # asynchronous: results of earlier rounds are logged as they arrive
                     evaluator.poll()
-                    evaluator.maybe_start(state.step, state.version)
-            if lc.checkpoint_every and state.step % lc.checkpoint_every == 0:
+                    # The version the servers hold: one behind the learner's while a publication is in flight.
+                    evaluator.maybe_start(state.step, published)
+            if checkpoint_due:
                 checkpoint()
                 saved_at = state.step
+        settle()
         finished = code == 0 and state.step >= lc.total_steps
         if finished and evaluator is not None:
             evaluator.finish()
@@ -239,6 +297,10 @@ def _run(cfg: TetherConfig, *, rank: int, world: int, device: torch.device, resu
                 log.warning("run_end_not_published", error=str(e))
     finally:
         stop_signal.restore()
+        if pending is not None:  # a failing run still waits (bounded by the stage deadlines) and logs the row
+            with contextlib.suppress(Exception):
+                settle()
+        sender.close()
         metrics.close()
         if live is not None:
             live.close()

@@ -118,11 +118,14 @@ class CollectiveReceive:
 
     Kept across updates so an unchanged membership (same epoch) reuses the group, and the receive
     buffers too: they are allocated once per layout (bucket sizes and device) and received into again
-    by every later update with that layout, because fresh ones page-fault on every first touch while
-    the bytes arrive. The price is one model's worth of buffers held between updates rather than only
-    during one. Updates are received one at a time (``lock``, which a loader also holds while it reads
-    the buffers), so a late thread of an abandoned update never interleaves with the next, and a
-    receive never overwrites buffers that are still being loaded.
+    by later updates with that layout, because fresh ones page-fault on every first touch while the
+    bytes arrive. There are up to two sets: a loader may *adopt* one (the model's parameters become
+    views into it, no copy at commit; :func:`weight_sync.adopt.adopt_into_module`) and says so with
+    :meth:`adopted`; the next update then receives into the other set, never into live weights. So a
+    receiver holds two sets' worth of memory, of which the live one *is* the model's weights: about what
+    a copying loader holds (the model plus one set). Updates are received one at a time (``lock``,
+    which a loader also holds while it reads the buffers), so a late thread of an abandoned update never
+    interleaves with the next, and a receive never overwrites buffers that are still being loaded.
     """
 
     def __init__(self, *, device: torch.device | str = "cpu", go_timeout_s: float = 150.0) -> None:
@@ -130,7 +133,9 @@ class CollectiveReceive:
         self.go_timeout_s = go_timeout_s
         self.lock = threading.Lock()
         self._pg: dist.ProcessGroup | None = None
-        self._buffers: tuple[tuple, list[torch.Tensor]] | None = None
+        self._layout: tuple | None = None
+        self._sets: list[list[torch.Tensor]] = []
+        self._live: list[torch.Tensor] | None = None  # the set the model's parameters are views into
         self._epoch: tuple[str, int] | None = None
         self._store: dist.TCPStore | None = None
 
@@ -161,14 +166,21 @@ class CollectiveReceive:
                     )
                     self._epoch = (src.init_method, src.group_epoch)
                 flats = self._buffers_for(plan)
+            except Exception:
+                close_group(self._pg)
+                self._pg, self._epoch = None, None
+                raise
+            try:
                 for flat in flats:
                     broadcast(self._pg, flat, src=src.src_rank).wait()
                 return flats
             except Exception:
                 # A broken group is useless for the next update; the sender bumps the epoch anyway.
-                # Its buffers are dropped too: an aborted broadcast may still be writing into them.
+                # This set is dropped too (an aborted broadcast may still be writing into it); a live set
+                # never is received into, so the model's weights are untouched.
                 close_group(self._pg)
-                self._pg, self._epoch, self._buffers = None, None, None
+                self._pg, self._epoch = None, None
+                self._sets = [s for s in self._sets if s is not flats]
                 raise
 
     def _device_for(self, backend: str) -> torch.device:
@@ -179,14 +191,25 @@ class CollectiveReceive:
         return self.device
 
     def _buffers_for(self, plan) -> list[torch.Tensor]:
+        """A set of receive buffers for this plan's layout that the model does not use as its weights."""
         device = self._device_for(plan.collective.backend)
         key = (str(device), tuple(int(b.num_bytes) for b in plan.buckets))
-        if self._buffers is None or self._buffers[0] != key:
-            self._buffers = None  # a new layout: free the old buffers before allocating the new ones
-            self._buffers = (key, [empty_bucket(bucket, device) for bucket in plan.buckets])
-        return self._buffers[1]
+        if self._layout != key:
+            # A new layout: drop the old sets first (a live one stays alive through the model's parameters).
+            self._sets, self._live, self._layout = [], None, key
+        for flats in self._sets:
+            if flats is not self._live:
+                return flats
+        flats = [empty_bucket(bucket, device) for bucket in plan.buckets]
+        self._sets.append(flats)
+        return flats
+
+    def adopted(self, flats: list[torch.Tensor]) -> None:
+        """The model's parameters are now views into ``flats`` (call holding ``lock``): never receive into them."""
+        self._live = next((s for s in self._sets if s is flats), None)
 
     def close(self) -> None:
         with self.lock:
             close_group(self._pg)
-            self._pg, self._epoch, self._store, self._buffers = None, None, None, None
+            self._pg, self._epoch, self._store = None, None, None
+            self._sets, self._live, self._layout = [], None, None

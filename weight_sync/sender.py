@@ -14,12 +14,21 @@ catches up from the snapshot (``WeightReceiver.catch_up`` / its commit fallback)
 Rank 0 first tells the other ranks (one broadcast on the learner's group) whether a gather is needed at
 all, so an update with no live server and no snapshot due costs nothing.
 
+Off the critical path (``publish(v, background=True)``, what the learner does when the staleness bound
+allows it): every rank gathers and rank 0 packs the whole update into staged buckets — the only part
+that reads the model, so the next optimizer step may change it right after — and a thread of rank 0
+then runs the handshake, transfer and snapshot from those buckets while the learner trains on. The
+price is one model's worth of staged buckets on rank 0. One publication is in flight at a time
+(``wait()`` before the next), so versions reach every server in order.
+
     sender = WeightSender(cfg, model=fsdp_model, rank=rank, world_size=world, registry=registry)
     metrics = sender.publish(version)   # on every rank; rank 0 returns weight_sync/* metrics
+    sender.publish(version, background=True); ...; metrics = sender.wait()
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import time
 import uuid
@@ -73,6 +82,8 @@ class WeightSender:
         self.last_checksums: dict[str, float] = {}
         self.on_bucket: Callable[[int, int], None] | None = None
         """Progress hook on rank 0: ``(bucket index, bucket count)`` after each bucket is handed off."""
+        self._background: tuple[int, concurrent.futures.Future] | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-publish")
         if rank == 0:
             # Where snapshots go; written on schedule (``snapshot_every``, the filesystem transport) or on
             # demand (``publish(..., snapshot=True)``: a resumed learner's first publication).
@@ -97,16 +108,81 @@ class WeightSender:
             return list(self.servers())
         return list(self.servers or [])
 
-    def publish(self, version: int, *, snapshot: bool = False) -> dict[str, float]:
+    def publish(
+        self,
+        version: int,
+        *,
+        snapshot: bool = False,
+        background: bool = False,
+        on_done: Callable[[dict[str, float]], None] | None = None,
+    ) -> dict[str, float]:
         """Push the model's current weights as ``version`` to every live server (call on every rank);
-        ``snapshot`` also writes them as that version's filesystem snapshot, whatever the schedule."""
+        ``snapshot`` also writes them as that version's filesystem snapshot, whatever the schedule.
+
+        ``background``: gather and pack now (the only part that reads the model, so the caller may change
+        the weights as soon as this returns), then run the handshake, the transfer and the snapshot on a
+        thread of rank 0 and return ``{}`` at once; :meth:`wait` returns the metrics, and ``on_done(metrics)``
+        runs on that thread as soon as the commit is over (the learner admits prompts for the new version
+        then, not a step later). One publication at a time: call :meth:`wait` before the next one
+        (versions reach servers in order).
+        """
+        if self._background is not None:
+            raise RuntimeError(
+                f"weight_sync: publication of version {self._background[0]} is still in flight — wait() first"
+            )
         start = time.perf_counter()
         if self.rank != 0:
             if self._agree(False):
-                self._gather(sending=False, snapshot=None)
+                self._gather(on_full=None)
             return {}
         servers = self._live_servers()
         self.clients.forget(servers)
+        snapshot_due = (
+            snapshot
+            or self.transport.needs_snapshot
+            or (self.wcfg.snapshot_every > 0 and version % self.wcfg.snapshot_every == 0)
+        )
+        if snapshot_due and self.snapshot_root is None:
+            raise ValueError("weight_sync: a snapshot is due but run.run_id is empty (no run folder to write it to)")
+        if background:
+            staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+            if self._agree(bool(servers) or snapshot_due):
+                self._gather(on_full=lambda slot, flat: staged.append((slot, flat)))
+                if self.transport.device.type == "cuda":  # packed on this thread's stream; sent from another
+                    torch.cuda.current_stream().synchronize()
+            future = self._executor.submit(self._deliver, version, servers, snapshot_due, staged, start, on_done)
+            self._background = (version, future)
+            return {}
+        return self._deliver(version, servers, snapshot_due, None, start)
+
+    @property
+    def in_flight(self) -> int | None:
+        """The version a background publication is delivering (rank 0), None when none is."""
+        return self._background[0] if self._background is not None else None
+
+    def wait(self) -> dict[str, float]:
+        """Block until the background publication (if any) has finished; its metrics on rank 0, else ``{}``."""
+        if self._background is None:
+            return {}
+        _, future = self._background
+        try:
+            return future.result()
+        finally:
+            self._background = None
+
+    def _deliver(
+        self,
+        version: int,
+        servers: list[str],
+        snapshot_due: bool,
+        staged: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        start: float,
+        on_done: Callable[[dict[str, float]], None] | None = None,
+    ) -> dict[str, float]:
+        """Rank 0: prepare → begin → send (gathering now when ``staged`` is None, else the staged buckets)
+        → snapshot → commit → metrics."""
+        if staged is not None and self.transport.device.type == "cuda":
+            torch.cuda.set_device(self.transport.device)  # the current device is per thread
         update_id = f"v{version}-{uuid.uuid4().hex[:12]}"
         dropped: dict[str, str] = {}
         ready = self._prepare(servers, version, update_id, dropped) if servers else []
@@ -116,22 +192,37 @@ class WeightSender:
             abort_all(self.clients, ready, update_id=update_id, reason="transfer group failed", timeout_s=5.0)
             dropped.update(dict.fromkeys(ready, "transfer group could not be built"))
             ready = []
-        snapshot_due = (
-            snapshot
-            or self.transport.needs_snapshot
-            or (self.wcfg.snapshot_every > 0 and version % self.wcfg.snapshot_every == 0)
-        )
-        if snapshot_due and self.snapshot_root is None:
-            raise ValueError("weight_sync: a snapshot is due but run.run_id is empty (no run folder to write it to)")
         snapshot = SnapshotWriter(self.snapshot_root, version, self.layout) if snapshot_due else None
         gather_start = time.perf_counter()
-        if self._agree(sending or snapshot is not None):
-            try:
-                self._gather(sending=sending, snapshot=snapshot)
-            except BaseException:
-                if snapshot is not None:
-                    snapshot.discard()
-                raise
+
+        def on_full(slot: torch.Tensor, flat: torch.Tensor) -> None:
+            # Leaves first: the snapshot write overlaps the broadcast. A slot given back is taken again
+            # only when the next bucket opens, so the shard below still reads this bucket.
+            if sending:
+                self.transport.send(flat, on_done=lambda: self.pool.give(slot))
+            if snapshot is not None:
+                snapshot.write_bucket(len(written), flat)
+            written.append(flat)
+            if not sending:
+                self.pool.give(slot)
+            if self.on_bucket is not None:
+                self.on_bucket(len(written) - 1, len(self.layout.buckets))
+
+        written: list[torch.Tensor] = []
+        try:
+            if staged is None:
+                if self._agree(sending or snapshot is not None):
+                    self._gather(on_full=on_full)
+            elif sending or snapshot is not None:
+                for slot, flat in staged:
+                    on_full(slot, flat)
+            else:
+                for slot, _ in staged:
+                    self.pool.give(slot)
+        except BaseException:
+            if snapshot is not None:
+                snapshot.discard()
+            raise
         transfer_ok = self.transport.finish() if sending else False
         gather_s = time.perf_counter() - gather_start
         if snapshot is not None:
@@ -151,6 +242,7 @@ class WeightSender:
             "weight_sync/commit_seconds": seconds - (commit_start - start),
             "weight_sync/group_rebuild_seconds": getattr(self.transport, "rebuild_seconds", 0.0),
             "weight_sync/snapshot": float(snapshot is not None),
+            "weight_sync/background": float(staged is not None),
         }
         log.info(
             "weights_published",
@@ -160,7 +252,10 @@ class WeightSender:
             dropped=sorted(dropped),
             bytes=self.layout.num_bytes,
             seconds=round(seconds, 3),
+            background=staged is not None,
         )
+        if on_done is not None:
+            on_done(metrics)
         return metrics
 
     def _agree(self, gather: bool) -> bool:
@@ -212,12 +307,14 @@ class WeightSender:
         return []
 
     @torch.no_grad()
-    def _gather(self, *, sending: bool, snapshot: SnapshotWriter | None) -> None:
+    def _gather(self, *, on_full: Callable[[torch.Tensor, torch.Tensor], None] | None) -> None:
+        """Gather parameter by parameter (every rank); rank 0 packs and hands each bucket, once full, to
+        ``on_full(slot, flat)`` (``flat`` the bucket's prefix of the pool ``slot``), which gives the slot back."""
         open_buckets: dict[int, torch.Tensor] = {}
         checksums: dict[str, float] = {}
         for i, (name, param) in enumerate(self._params):
-            full = param.full_tensor() if isinstance(param, DTensor) else param  # collective on all ranks
-            if self.rank != 0:
+            full = _full(param)  # a collective on all ranks when the parameter is sharded
+            if self.rank != 0 or on_full is None:
                 continue
             meta = self.layout.tensors[i]
             slot = open_buckets.get(meta.bucket)
@@ -230,17 +327,7 @@ class WeightSender:
             del full
             if self._last_member[meta.bucket] == i:
                 slot = open_buckets.pop(meta.bucket)
-                flat = slot[: self.layout.buckets[meta.bucket].num_bytes]
-                # Leaves first: the snapshot write overlaps the broadcast. A slot given back is taken
-                # again only when the next bucket opens, so the shard below still reads this bucket.
-                if sending:
-                    self.transport.send(flat, on_done=lambda slot=slot: self.pool.give(slot))
-                if snapshot is not None:
-                    snapshot.write_bucket(meta.bucket, flat)
-                if not sending:
-                    self.pool.give(slot)
-                if self.on_bucket is not None:
-                    self.on_bucket(meta.bucket, len(self.layout.buckets))
+                on_full(slot, slot[: self.layout.buckets[meta.bucket].num_bytes])
         self.last_checksums = checksums
 
     def _commit(
@@ -276,6 +363,24 @@ class WeightSender:
         return reached
 
     def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+            self._close_rank0()
+
+    def _close_rank0(self) -> None:
         if self.rank == 0:
             self.transport.close()
             self.clients.close()
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """The whole parameter. On a one-rank mesh the local shard already is (no all-gather, no DTensor
+    dispatch: at the demo size that was most of the sender's time on the learner's critical path)."""
+    if not isinstance(param, DTensor):
+        return param
+    local = param.to_local()
+    if param.device_mesh.size() == 1 and local.shape == param.shape:
+        return local
+    return param.full_tensor()

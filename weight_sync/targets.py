@@ -31,6 +31,7 @@ import torch
 
 from tether.config import TetherConfig
 from tether.v1 import control_pb2
+from weight_sync.adopt import adopt_into_module
 from weight_sync.buckets import Layout, checksum, unpack
 from weight_sync.collective import CollectiveReceive
 from weight_sync.lora import AdapterApplier
@@ -112,15 +113,20 @@ class ModuleTarget(Target):
             raise RuntimeError(f"update {plan.update_id} was never started")
         flats = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
         members = Layout.from_plan(plan).bucket_members()
-        # Views into the received buckets, copied into the parameters once, here at commit.
         named = [pair for flat, group in zip(flats, members, strict=True) for pair in unpack(flat, group)]
-        return await asyncio.to_thread(self._load_received, named)
+        return await asyncio.to_thread(self._load_received, flats, named)
 
-    def _load_received(self, named: list[tuple[str, torch.Tensor]]) -> LoadResult:
-        # The buckets are reused by the next update's receive; holding the receive lock keeps a late
-        # receive (after a commit that timed out) from overwriting them mid-load.
+    def _load_received(self, flats: list[torch.Tensor], named: list[tuple[str, torch.Tensor]]) -> LoadResult:
+        # The parameters become views into the received buckets (no copy; weight_sync/adopt.py), which
+        # the next update then never receives into. Holding the receive lock keeps a late receive (after
+        # a commit that timed out) from touching them mid-load.
         with self.collective.lock:
-            return self._load(named)
+            if self.adapter is not None:
+                return self.adapter.load(self.engine.model, named, sums=self.sums)
+            result, adopted = adopt_into_module(self.engine.model, named, sums=self.sums)
+            if adopted:
+                self.collective.adopted(flats)
+            return result
 
     def _load(self, named: Iterable[tuple[str, torch.Tensor]]) -> LoadResult:
         if self.adapter is not None:

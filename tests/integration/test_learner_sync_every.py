@@ -1,6 +1,8 @@
 """``weight_sync.sync_every > 1`` through the learner process (torchrun, one gloo rank, real Redis, a thread
 playing the rollout fleet): weights are published every second step, the version moves with them, and
-admission counts a version as ``sync_every`` steps of prompts."""
+admission counts a version as ``sync_every`` steps of prompts. With ``max_staleness: 1`` a publication that
+is not the run's last goes out in the background (the next step starts before it lands); with ``0`` none
+does."""
 
 from __future__ import annotations
 
@@ -17,11 +19,14 @@ from tether.metrics import read_metrics
 pytestmark = pytest.mark.slow
 
 
-def test_sync_every_2_publishes_every_second_step(tiny_model_dir: Path, redis_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("max_staleness", [1, 0])
+def test_sync_every_2_publishes_every_second_step(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, max_staleness: int
+) -> None:
     import subprocess
     import sys
 
-    run_id = "sync2"
+    run_id = f"sync2-s{max_staleness}"
     cfg = {
         "run": {"run_id": run_id, "output_dir": str(tmp_path), "tensorboard": False},
         "model": {"path": str(tiny_model_dir)},
@@ -37,7 +42,7 @@ def test_sync_every_2_publishes_every_second_step(tiny_model_dir: Path, redis_ur
             "data_path": "demo:charclass",
             "read_timeout_s": 60,
         },
-        "algorithm": {"max_staleness": 1},
+        "algorithm": {"max_staleness": max_staleness},
         "weight_sync": {"sync_every": 2, "transport": {"type": "filesystem"}},
     }
     cfg_path = tmp_path / "config.yaml"
@@ -57,6 +62,12 @@ def test_sync_every_2_publishes_every_second_step(tiny_model_dir: Path, redis_ur
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["learner/version"] for r in rows] == [0, 1, 1, 2]
     assert [r.get("weight_sync/version") for r in rows] == [None, 1, None, 2]  # published after steps 2 and 4
+    # Off the critical path only where the bound allows, and never the last one (the run ends on it).
+    assert [r.get("weight_sync/background") for r in rows] == [None, float(max_staleness > 0), None, 0.0]
+    assert all(r["staleness/max"] <= max_staleness for r in rows)
+    # Admission counted from the version the servers held, which never ran ahead of the learner's.
+    assert all(r["buffer/admission_bound"] <= (max_staleness + r["learner/version"] + 1) * 2 * 2 + r[
+        "buffer/prompts_given_back"] for r in rows)  # fmt: skip
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
         assert client.get(f"tether:{run_id}:version") == "2"

@@ -1,4 +1,5 @@
-"""The learner side for real: a 2-rank gloo FSDP2-sharded tiny model → gather → receivers get full weights.
+"""The learner side for real: a 2-rank gloo FSDP2-sharded tiny model → gather → receivers get full weights,
+synchronously (version 1) and off the critical path while the ranks train on (version 2).
 
 The two learner ranks are spawned as ``python THIS_FILE`` with torchrun's environment variables (no
 pickled arguments); receivers are standalone receiver subprocesses; results come back as JSON.
@@ -50,14 +51,22 @@ def worker() -> None:
     assert all(isinstance(p, DTensor) for p in model.parameters())
     sender = WeightSender(cfg, model=model, rank=rank, world_size=world, servers=os.environ["WS_SERVERS"].split(","))
     metrics = sender.publish(1)
+    dropped = dict(sender.last_dropped)
+    # Version 2 off the critical path: every rank gathers now, then trains on (changes its shards) while
+    # rank 0's thread still sends; the receivers must get the weights of the call, not the later ones.
+    _perturb(model)
+    assert sender.publish(2, background=True) == {}
+    _perturb(model)
+    background = sender.wait()
     if rank == 0:
-        Path(os.environ["WS_OUT"]).write_text(json.dumps({"metrics": metrics, "dropped": sender.last_dropped}))
+        out = {"metrics": metrics, "dropped": dropped, "background": background, "dropped2": sender.last_dropped}
+        Path(os.environ["WS_OUT"]).write_text(json.dumps(out))
         sender.close()
     dist.destroy_process_group()
 
 
 def test_fsdp2_sharded_learner_publishes_full_weights(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from weight_sync.snapshot import latest_snapshot, read_snapshot
+    from weight_sync.snapshot import latest_snapshot, read_snapshot, snapshot_dir
     from weight_sync.standalone import ModelEngine, ReceiverProcess
 
     config = tmp_path / "tether.yaml"
@@ -108,14 +117,18 @@ def test_fsdp2_sharded_learner_publishes_full_weights(tmp_path: Path, tiny_model
     result = json.loads(out.read_text())
     # verify_checksums: a receiver counts as reached only when its loaded tensors' sums match the learner's.
     assert result["metrics"]["weight_sync/reached"] == 2, result["dropped"]
+    assert result["background"]["weight_sync/reached"] == 2, result["dropped2"]
+    assert (result["metrics"]["weight_sync/background"], result["background"]["weight_sync/background"]) == (0, 1)
     expected = ModelEngine.from_path(tiny_model_dir).model
-    _perturb(expected)
-    full = dict(expected.named_parameters())
-    version, path = latest_snapshot(tmp_path / "runs" / "fsdp" / "snapshots")
-    loaded = dict(read_snapshot(path))
-    assert version == 1 and set(loaded) == set(full)
-    for name, tensor in loaded.items():
-        torch.testing.assert_close(tensor, full[name], rtol=0, atol=0)
+    snapshots = tmp_path / "runs" / "fsdp" / "snapshots"
+    for version in (1, 2):
+        _perturb(expected)  # the weights each publish was called with
+        full = dict(expected.named_parameters())
+        loaded = dict(read_snapshot(snapshot_dir(snapshots, version)))
+        assert set(loaded) == set(full)
+        for name, tensor in loaded.items():
+            torch.testing.assert_close(tensor, full[name], rtol=0, atol=0)
+    assert latest_snapshot(snapshots)[0] == 2
 
 
 if __name__ == "__main__":

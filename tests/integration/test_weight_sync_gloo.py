@@ -66,9 +66,14 @@ class Fleet:
         self.thread.join(10)
 
 
-def receive_buffers(receiver: WeightReceiver) -> list[int]:
-    """Addresses of a receiver's cached receive buffers (the same ones when they were reused)."""
-    return [flat.data_ptr() for flat in receiver.target.collective._buffers[1]]
+def receive_buffers(receiver: WeightReceiver) -> set[int]:
+    """Addresses of every receive buffer a receiver holds (both sets)."""
+    return {flat.data_ptr() for flats in receiver.target.collective._sets for flat in flats}
+
+
+def storage_in(param: torch.Tensor, buffers: set[int]) -> bool:
+    """Whether ``param`` lives in one of the receive buffers (adopted, not copied)."""
+    return param.untyped_storage().data_ptr() in buffers
 
 
 @pytest.fixture
@@ -115,20 +120,28 @@ def test_gloo_update_reaches_every_receiver(
                 torch.testing.assert_close(param, expected[name], rtol=0, atol=0)
             assert greedy(engine.model) == greedy(learner)
 
-        # Same membership: the group is reused (no rebuild), and a second version lands too, packed and
-        # received into the buffers of the first (no new allocation on either side).
+        # Same membership: the group is reused (no rebuild), and later versions land too, packed into
+        # the sender's buffers of the first. Receivers loaded by adopting the received buckets (no copy),
+        # so version 2 goes into a second set and version 3 into the first again: two sets, no more.
         slots = sender.pool.allocated
-        received = [receive_buffers(r) for r in fleet.receivers]
-        with torch.no_grad():
-            for p in learner.parameters():
-                p.mul_(1.5)
-        metrics = sender.publish(2)
-        assert metrics["weight_sync/reached"] == 2 and metrics["weight_sync/group_rebuild_seconds"] == 0
-        assert sender.pool.allocated == slots
-        assert [receive_buffers(r) for r in fleet.receivers] == received
-        for engine in fleet.engines:
-            assert engine.policy_version == 2
-            torch.testing.assert_close(engine.model.lm_head.weight, learner.lm_head.weight, rtol=0, atol=0)
+        first = [receive_buffers(r) for r in fleet.receivers]
+        for engine, buffers in zip(fleet.engines, first, strict=True):
+            assert all(storage_in(p, buffers) for p in engine.model.parameters())
+        for version in (2, 3):
+            with torch.no_grad():
+                for p in learner.parameters():
+                    p.mul_(1.5)
+            metrics = sender.publish(version)
+            assert metrics["weight_sync/reached"] == 2 and metrics["weight_sync/group_rebuild_seconds"] == 0
+            assert sender.pool.allocated == slots
+            for engine, receiver in zip(fleet.engines, fleet.receivers, strict=True):
+                assert engine.policy_version == version
+                assert len(receiver.target.collective._sets) == 2
+                assert all(storage_in(p, receive_buffers(receiver)) for p in engine.model.parameters())
+                for name, param in engine.model.named_parameters():
+                    torch.testing.assert_close(param, expected[name], rtol=0, atol=0)
+                assert greedy(engine.model) == greedy(learner)
+        assert [receive_buffers(r) for r in fleet.receivers] != first  # the second set is new memory
     finally:
         sender.close()
 

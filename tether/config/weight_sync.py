@@ -47,6 +47,11 @@ class WeightSyncConfig(Section):
     sync_every: int = Field(default=1, gt=0)
     """Learner steps between weight publications (each publication is version + 1)."""
 
+    async_publish: bool = True
+    """With ``algorithm.max_staleness`` ≥ 1, the learner packs the new weights and starts the next step
+    while they are sent (at most one publication in flight; admission counts from the version the servers
+    hold, so the staleness bound still holds). ``max_staleness: 0`` always publishes before the next step."""
+
     bucket_size_mb: float = Field(default=256.0, gt=0)
     """Size of one flat transfer buffer per dtype."""
 

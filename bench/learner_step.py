@@ -1,0 +1,186 @@
+"""The learner's fixed cost per step at the demo size, and what each lever cut from it, in the same run.
+
+    python bench/learner_step.py [--quick] [--repeats N]
+
+One learner rank (gloo, FSDP2 on a one-rank mesh, as ``tether up`` runs the demo) trains the demo model
+(64 wide × 2 layers, ``configs/demo.yaml``'s knobs: 8 prompts × 8 samples, 8 completion tokens) on fixed
+synthetic groups and publishes every step to one standalone receiver process over the demo's
+filesystem transport (snapshot + Prepare/Commit, the receiver loading the snapshot). Levers, each
+switched off alone against all on, in blocks whose order alternates from repeat to repeat:
+
+* ``background``: publication off the critical path (``publish(..., background=True)``, what the learner
+  does with ``max_staleness`` ≥ 1) — off: the synchronous publish a ``max_staleness: 0`` run makes;
+* ``fused_adamw``: one fused AdamW kernel — off: the per-tensor loop torch picks for CPU DTensors;
+* ``local_shard``: the sender reads a one-rank shard as it is — off: an all-gather per parameter.
+
+Figures (seconds of the baseline over seconds with every lever on; no goal, they say what a lever is
+worth): ``learner_step/step_vs_all_off`` (the whole step: train + what publication leaves on the critical
+path), ``learner_step/critical_publish_vs_<lever off>`` and ``learner_step/optimizer_vs_loop``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import figure, ordered, report
+
+LEVERS = ("background", "fused_adamw", "local_shard")
+
+
+class Learner:
+    """The demo learner's step, with each lever switchable between blocks."""
+
+    def __init__(self, workdir: Path) -> None:
+        import torch
+        import torch.distributed as dist
+        import yaml
+
+        from learner.parallelize import load_model, parallelize
+        from learner.synthetic import make_groups
+        from learner.trainer import Trainer
+        from tether.config.loader import load_config
+        from tether.redis_server import free_port
+        from tether.tiny_model import make_tiny_model
+        from weight_sync import sender as sender_module
+        from weight_sync.sender import WeightSender
+        from weight_sync.standalone import ReceiverProcess
+
+        model_dir = make_tiny_model(workdir / "model", hidden=64, layers=2, heads=2, seed=0)
+        config = workdir / "config.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "run": {"run_id": "bench", "output_dir": str(workdir / "runs")},
+                    "model": {"path": str(model_dir)},
+                    "rollout": {"max_tokens": 8, "n": 8},
+                    "learner": {"train_batch_size": 8, "lr": 3e-3, "total_steps": 10**6, "device": "cpu"},
+                    "algorithm": {"max_staleness": 1, "loss_agg_mode": "token-mean"},
+                    "weight_sync": {"transport": {"type": "filesystem"}},
+                }
+            )
+        )
+        cfg = load_config(config)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ["MASTER_PORT"] = str(free_port())
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+        self.model = parallelize(load_model(cfg, device), cfg, device)
+        self.trainer = Trainer(cfg, self.model, device=device, ref_model=None)
+        self.receiver = ReceiverProcess(config=config, model=model_dir, workdir=workdir)
+        self.sender = WeightSender(cfg, model=self.model, servers=[self.receiver.address])
+        self.groups = make_groups(8, 8, vocab=self.model.config.vocab_size, seed=0, completion_len=(8, 8))
+        self.version = 0
+        self._module, self._local = sender_module, sender_module._full
+        self._opt_seconds: list[float] = []
+        step = self.trainer.optimizer.step
+
+        def timed_step(*args, **kwargs):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            result = step(*args, **kwargs)
+            self._opt_seconds.append(time.perf_counter() - start)
+            return result
+
+        self.trainer.optimizer.step = timed_step
+
+    def block(self, off: tuple[str, ...], steps: int) -> dict[str, float]:
+        """Medians over ``steps`` steps with the levers in ``off`` switched off."""
+        from torch.distributed.tensor import DTensor
+
+        for group in self.trainer.optimizer.param_groups:
+            group["fused"], group["foreach"] = (None, False) if "fused_adamw" in off else (True, None)
+        gathered = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731
+        self._module._full = gathered if "local_shard" in off else self._local
+        background = "background" not in off
+        total, publish = [], []
+        self._opt_seconds.clear()
+        for _ in range(steps):
+            start = time.perf_counter()
+            self.trainer.train_step(self.groups, version=self.version)
+            trained = time.perf_counter()
+            self.sender.wait()  # the learner waits for the previous publication at the end of the next step
+            self.version += 1
+            self.sender.publish(self.version, background=background)
+            total.append(time.perf_counter() - start)
+            publish.append(time.perf_counter() - trained)
+        self.sender.wait()
+        return {
+            "step": statistics.median(total),
+            "publish": statistics.median(publish),
+            "optimizer": statistics.median(self._opt_seconds),
+        }
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        self.sender.close()
+        self.receiver.stop()
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few steps per block (a smoke run)")
+    parser.add_argument("--repeats", type=int, default=None, help="repeats of every block (default 7; >= 3)")
+    args = parser.parse_args(argv)
+    repeats = max(3, args.repeats or (3 if args.quick else 7))
+    steps = 1 if args.quick else 10
+
+    import torch
+
+    torch.set_num_threads(1)  # as tether up gives the learner of an async run on 2 cores
+    sides = {"none": (), **{lever: (lever,) for lever in LEVERS}, "all": LEVERS}
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="tether-bench-step-") as tmp:
+        learner = Learner(Path(tmp))
+        try:
+            learner.block((), steps)  # warm-up: first snapshot, first handshake, allocator
+            for k in range(repeats):
+                rows.append({side: learner.block(sides[side], steps) for side in ordered(list(sides), k)})
+        finally:
+            learner.close()
+    print(f"{'lever off':>12} {'s/step':>8} {'publish s':>10} {'optimizer s':>12}  (medians; demo size, 1 rank)")
+    for side in ["none", *LEVERS, "all"]:
+        med = {k: statistics.median(r[side][k] for r in rows) for k in ("step", "publish", "optimizer")}
+        print(f"{side:>12} {med['step']:>8.4f} {med['publish']:>10.4f} {med['optimizer']:>12.4f}")
+    what = "demo model 64x2, 8x8 samples, 8 tokens, 1 gloo rank, filesystem publish to 1 receiver"
+    figures = [
+        figure(
+            "learner_step/step_vs_all_off",
+            [r["all"]["step"] / r["none"]["step"] for r in rows],
+            goal=None,
+            direction="min",
+            baseline=f"the same step with all three levers off (sync publish, AdamW loop, all-gather); {what}",
+        ),
+        figure(
+            "learner_step/optimizer_vs_loop",
+            [r["fused_adamw"]["optimizer"] / r["none"]["optimizer"] for r in rows],
+            goal=None,
+            direction="min",
+            baseline=f"optimizer.step with torch's per-tensor AdamW loop on CPU DTensors; {what}",
+        ),
+    ]
+    for lever in ("background", "local_shard"):
+        figures.append(
+            figure(
+                f"learner_step/critical_publish_vs_{lever}_off",
+                [r[lever]["publish"] / r["none"]["publish"] for r in rows],
+                goal=None,
+                direction="min",
+                baseline=f"publication's time on the critical path with {lever} off; {what}",
+            )
+        )
+    for f in figures:
+        report(f, quick=args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""Loading by adoption: parameters become views into the received buffers; bad updates change nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weight_sync.adopt import adopt_into_module
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(7, 4)
+        self.head = torch.nn.Linear(4, 7, bias=False)
+        self.head.weight = self.embed.weight  # one Parameter under two names
+        self.norm = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+
+
+def test_adopts_same_dtype_and_casts_the_rest_keeping_ties() -> None:
+    model = Tied()
+    flat = torch.randn(7 * 4 + 4)
+    embed, norm = flat[:28].view(7, 4), flat[28:]
+    (nbytes, sums), adopted = adopt_into_module(model, [("embed.weight", embed), ("norm", norm)], sums=True)
+    assert adopted == 1 and nbytes == flat.numel() * 4
+    assert model.embed.weight.data_ptr() == flat.data_ptr() and model.head.weight is model.embed.weight
+    torch.testing.assert_close(model.norm, norm.to(torch.bfloat16), rtol=0, atol=0)  # copied (cast)
+    assert model.norm.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+    assert sums["embed.weight"] == pytest.approx(float(embed.double().sum()))
+    flat.mul_(2)  # the buffer is the weight now: a later write shows (why the receiver keeps a second set)
+    torch.testing.assert_close(model.head.weight, embed, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("named", "error"),
+    [
+        ([("embed.weight", torch.zeros(7, 4)), ("missing", torch.zeros(1))], KeyError),
+        ([("embed.weight", torch.zeros(7, 4)), ("norm", torch.zeros(5))], ValueError),
+    ],
+)
+def test_a_bad_update_changes_nothing(named: list, error: type) -> None:
+    model = Tied()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ptr = model.embed.weight.data_ptr()
+    with pytest.raises(error):
+        adopt_into_module(model, named, sums=False)
+    assert model.embed.weight.data_ptr() == ptr
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p, before[n], rtol=0, atol=0)
