@@ -236,7 +236,7 @@ class Stack:
         for cid in podman("ps", "-aq", "--filter", label, check=False).stdout.split():
             podman("rm", "-f", "-v", "-t", "2", cid, check=False, timeout=60)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.compose("down", "-v", "-t", "2", check=False, timeout=180)
+            self.compose("down", "-v", "--remove-orphans", "-t", "2", check=False, timeout=180)
         for vol in podman("volume", "ls", "-q", "--filter", label, check=False).stdout.split():
             podman("volume", "rm", "-f", vol, check=False)
         for net in podman("network", "ls", "-q", "--filter", f"name=^{self.project}_", check=False).stdout.split():
