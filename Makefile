@@ -66,8 +66,8 @@ test: install-test
 # The docker compose CPU stack, built and run for real with podman (tests/compose, README "docker compose"):
 # images built locally (no image registry needed), Redis, the reward service, the learner and two rollout
 # replicas; a replica SIGKILLed, the stack taken down and brought up again. Root with apt on Debian (CI):
-# installs podman, runc and mmdebstrap first. About 4 minutes with cached images, about 11 on a fresh
-# 2-core machine (image builds); prints each phase's time and the image sizes.
+# installs podman, runc and mmdebstrap first. About 5-10 minutes on 2 cores from no images, 4 with cached
+# ones; prints each phase's time and the image sizes.
 COMPOSE_APT := podman runc netavark aardvark-dns mmdebstrap
 test-compose: $(VENV)/.compose
 	@if ! command -v podman >/dev/null || ! command -v runc >/dev/null || ! command -v mmdebstrap >/dev/null; then \

@@ -147,7 +147,14 @@ class HealthTicker:
     def __init__(self, project: str, interval_s: float = 3.0) -> None:
         self.project, self.interval_s = project, interval_s
         self._stop = threading.Event()
+        self._round = threading.Lock()  # held while checks run: their exec sessions block `podman rm`
         self._thread = threading.Thread(target=self._loop, name="health-ticker", daemon=True)
+
+    @contextlib.contextmanager
+    def paused(self):  # type: ignore[no-untyped-def]
+        """No health check runs inside (``compose down`` removes containers: an exec session would fail it)."""
+        with self._round:
+            yield
 
     def __enter__(self) -> HealthTicker:
         self._thread.start()
@@ -155,15 +162,17 @@ class HealthTicker:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             ps = podman(
                 "ps", "--filter", f"label=io.podman.compose.project={self.project}", "--format", "{{.ID}}", check=False
             )
-            for cid in ps.stdout.split():
-                podman("healthcheck", "run", cid, check=False, timeout=30)
+            with self._round:
+                for cid in ps.stdout.split():
+                    podman("healthcheck", "run", cid, check=False, timeout=30)
 
 
 class Stack:
@@ -173,6 +182,7 @@ class Stack:
         self.project = project
         self.env = podman_env(env)
         self.volumes_before = set(podman("volume", "ls", "-q").stdout.split())  # anonymous ones have no label
+        self.ticker = HealthTicker(project)
 
     def compose(
         self, *args: str, profile: str = "cpu", check: bool = True, timeout: float = 300
@@ -232,6 +242,7 @@ class Stack:
     def teardown(self) -> None:
         """The project's containers with their anonymous volumes, then ``compose down -v`` (named volumes,
         the network), then whatever of the project podman still holds, by label and name."""
+        self.ticker.__exit__()
         label = f"label=io.podman.compose.project={self.project}"
         for cid in podman("ps", "-aq", "--filter", label, check=False).stdout.split():
             podman("rm", "-f", "-v", "-t", "2", cid, check=False, timeout=60)

@@ -29,7 +29,6 @@ from tests.compose.stack import (
     REDIS_IMAGE,
     REPO,
     TETHER_IMAGE,
-    HealthTicker,
     Stack,
     build_images,
     image_size_mb,
@@ -39,9 +38,9 @@ from tests.compose.stack import (
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(1800)]
 
 RUN_ID = "compose-ci"
-FIRST_STEPS = 40  # the first lifetime; the second continues to SECOND_STEPS from its checkpoint
-SECOND_STEPS = 48
-CHECKPOINT_EVERY = 10
+FIRST_STEPS = 60  # the first lifetime; the second continues to SECOND_STEPS from its checkpoint
+SECOND_STEPS = 68
+CHECKPOINT_EVERY = 20
 STATUS = "tether status --config /etc/tether/cpu.yaml --run.run_id $TETHER_RUN_ID --buffer.redis_url $REDIS_URL"
 LONG_RUNNING = ("redis", "reward", "learner-cpu", "rollout-cpu")
 
@@ -74,7 +73,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
         FIGURES[f"image size {image}"] = f"{image_size_mb(image):.0f} MB"
     s = Stack(f"tether-ci-{os.getpid()}", _env(FIRST_STEPS, tmp_path_factory.mktemp("unused")))
     try:
-        with HealthTicker(s.project):
+        with s.ticker:
             yield s
     finally:
         t0 = time.monotonic()
@@ -250,7 +249,8 @@ def test_cpu_stack_trains_survives_a_killed_replica_and_resumes_after_down_up(st
 
     # --- down, then up again: the learner resumes from its checkpoint, Redis (AOF) keeps the books
     t0 = time.monotonic()
-    stack.compose("down", "--remove-orphans", "-t", "20", timeout=300)  # podman-compose: with the 2nd replica
+    with stack.ticker.paused():
+        stack.compose("down", "--remove-orphans", "-t", "20", timeout=300)  # podman-compose: with the 2nd replica
     TIMINGS["compose down"] = time.monotonic() - t0
     label = f"label=io.podman.compose.project={stack.project}"
     left = podman("ps", "-a", "--filter", label, "--format", "{{.Names}} {{.Status}}").stdout.strip()
