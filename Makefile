@@ -74,7 +74,7 @@ test-compose: $(VENV)/.compose
 		[ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null || { echo "test-compose: needs podman, runc and mmdebstrap (apt-get install $(COMPOSE_APT))"; exit 1; }; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(COMPOSE_APT) >/dev/null; \
 	fi
-	$(PY) -m pytest -p no:cacheprovider -m compose -s tests/compose $(PYTEST_ARGS)
+	TETHER_COMPOSE_REQUIRED=1 $(PY) -m pytest -p no:cacheprovider -m compose -s tests/compose $(PYTEST_ARGS)
 
 # The GPU suite (tests/gpu): collected everywhere, skipped with a reason without CUDA; with CUDA, a run in
 # which no test passed fails (tests/gpu/verdict.py). On a lent GPU machine use deploy/gpu-check.sh.
