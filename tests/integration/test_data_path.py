@@ -95,16 +95,17 @@ async def test_aborted_samples_are_not_scored_trained_or_uncounted(state, redis_
     PromptQueue(redis_client, keys).feed(
         iter([trajectory_pb2.Prompt(prompt_id="p0", text="count:")]), version=0, prompts_per_version=4, max_staleness=0
     )
-    steps, emit = asyncio.Event(), s.engine._emit
+    loop, steps, step_sync = asyncio.get_running_loop(), asyncio.Event(), s.engine._step_sync
     emitted: list[int] = []
 
-    def counting_emit(rows, tokens, logps, version):  # the real _emit; counts decode steps
-        emit(rows, tokens, logps, version)
+    def counting_step(state, params):  # the real decode step (engine thread); counts decode steps
+        out = step_sync(state, params)
         emitted.append(1)
         if len(emitted) == 3:
-            steps.set()
+            loop.call_soon_threadsafe(steps.set)
+        return out
 
-    s.engine._emit = counting_emit
+    s.engine._step_sync = counting_step
     task = asyncio.create_task(PromptWorker(s).run())
     try:
         await asyncio.wait_for(steps.wait(), 120)  # three tokens per sample are out
