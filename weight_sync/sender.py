@@ -298,7 +298,7 @@ class WeightSender:
             for s in candidates:
                 if s in responses and not responses[s].ready:
                     dropped[s] = f"declined (at version {responses[s].current_version})"
-            if len(ready) == len(candidates) or self.transport.name == "filesystem" or not ready:
+            if len(ready) == len(candidates) or not self.transport.joins_receivers or not ready:
                 return ready
             self.transport.begin(update_id, ready)  # members differ: releases the waiting ones with "0"
             candidates = ready

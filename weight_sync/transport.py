@@ -35,6 +35,9 @@ class SenderTransport(abc.ABC):
     """Where bucket buffers are packed (the GPU for nccl)."""
     needs_snapshot: bool = False
     """The transport *is* the snapshot: write one on every publication."""
+    joins_receivers: bool = False
+    """Receivers join the transfer as members of a group (a collective): the group must be formed again when
+    the ready set differs from the planned one. A transport each receiver reads on its own does not care."""
 
     @abc.abstractmethod
     def sources(self, servers: Sequence[str], *, version: int) -> dict[str, dict]:
@@ -75,6 +78,8 @@ class FilesystemSender(SenderTransport):
 
 class CollectiveSender(SenderTransport):
     """Rank 0 of a gloo / NCCL group with the receivers; keeps at most ``depth`` buckets in flight."""
+
+    joins_receivers = True
 
     def __init__(self, tcfg: GlooTransport | NcclTransport, *, timeout_s: float, depth: int = 2) -> None:
         if depth < 1:
