@@ -100,15 +100,16 @@ async def test_aborted_samples_are_not_scored_trained_or_uncounted(state, redis_
 
     def counting_step(state, params):  # the real decode step (engine thread); counts decode steps
         out = step_sync(state, params)
-        emitted.append(1)
-        if len(emitted) == 3:
+        if state["ids"].shape[0] == 4:  # all four samples in the batch (they may join it one by one)
+            emitted.append(1)
+        if len(emitted) == 4:  # the 4th step's forward is done, so the first 3 steps' tokens are recorded
             loop.call_soon_threadsafe(steps.set)
         return out
 
     s.engine._step_sync = counting_step
     task = asyncio.create_task(PromptWorker(s).run())
     try:
-        await asyncio.wait_for(steps.wait(), 120)  # three tokens per sample are out
+        await asyncio.wait_for(steps.wait(), 120)  # at least three tokens per sample are out
         for rid in list(s.engine._requests):
             await s.engine.abort(rid)  # what a failed batch or a cancelled request ends in
         reader = TrajectoryReader(redis_client, keys, s.cfg.buffer, consumer="learner-0")
