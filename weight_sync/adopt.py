@@ -24,6 +24,26 @@ from weight_sync.buckets import checksum
 LoadResult = tuple[int, dict[str, float]]  # bytes loaded, checksum per tensor (empty unless asked)
 
 
+def module_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by name (tied ones under each name), what a weight update may name."""
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    return tensors
+
+
+def matching(tensors: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The model's tensor ``name`` that update ``tensor`` replaces; a clear error on an unknown name or shape."""
+    target = tensors.get(name)
+    if target is None:
+        raise KeyError(
+            f"weight update names {name!r}, which this model does not have — learner and rollout "
+            "servers must load the same architecture (model.path)"
+        )
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(f"{name}: update has shape {tuple(tensor.shape)}, model has {tuple(target.shape)}")
+    return target
+
+
 @torch.no_grad()
 def adopt_into_module(
     model: torch.nn.Module, named: Sequence[tuple[str, torch.Tensor]], *, sums: bool
@@ -33,19 +53,8 @@ def adopt_into_module(
     Returns ``((bytes, checksums), adopted)``, ``adopted`` counting the parameters that now share the
     received buffers' memory. Raises before changing anything when a name or shape does not match.
     """
-    targets = dict(model.named_parameters(remove_duplicate=False))
-    targets.update(model.named_buffers(remove_duplicate=False))
-    pairs = []
-    for name, tensor in named:
-        target = targets.get(name)
-        if target is None:
-            raise KeyError(
-                f"weight update names {name!r}, which this model does not have — learner and rollout "
-                "servers must load the same architecture (model.path)"
-            )
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"{name}: update has shape {tuple(tensor.shape)}, model has {tuple(target.shape)}")
-        pairs.append((name, target, tensor))
+    tensors = module_tensors(model)
+    pairs = [(name, matching(tensors, name, tensor), tensor) for name, tensor in named]
     nbytes, checksums, adopted = 0, {}, 0
     for name, target, tensor in pairs:
         if isinstance(target, torch.nn.Parameter) and target.dtype == tensor.dtype and target.device == tensor.device:

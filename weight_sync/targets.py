@@ -31,7 +31,7 @@ import torch
 
 from tether.config import TetherConfig
 from tether.v1 import control_pb2
-from weight_sync.adopt import adopt_into_module
+from weight_sync.adopt import adopt_into_module, matching, module_tensors
 from weight_sync.buckets import Layout, checksum, unpack
 from weight_sync.collective import CollectiveReceive
 from weight_sync.lora import AdapterApplier
@@ -59,18 +59,9 @@ class Target(abc.ABC):
 @torch.no_grad()
 def load_into_module(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], *, sums: bool) -> LoadResult:
     """Copy each ``(name, tensor)`` into the parameter or buffer of that name, in place."""
-    targets = dict(model.named_parameters(remove_duplicate=False))
-    targets.update(model.named_buffers(remove_duplicate=False))
-    nbytes, checksums = 0, {}
+    tensors, nbytes, checksums = module_tensors(model), 0, {}
     for name, tensor in named:
-        target = targets.get(name)
-        if target is None:
-            raise KeyError(
-                f"weight update names {name!r}, which this model does not have — learner and rollout "
-                "servers must load the same architecture (model.path)"
-            )
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"{name}: update has shape {tuple(tensor.shape)}, model has {tuple(target.shape)}")
+        target = matching(tensors, name, tensor)
         target.copy_(tensor)
         nbytes += tensor.numel() * tensor.element_size()
         if sums:
