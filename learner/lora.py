@@ -5,8 +5,11 @@ the base weights, so the optimizer (which takes ``requires_grad`` parameters) ho
 FSDP2 shards both kinds in the same blocks. Weight updates send the adapter tensors alone, named as peft
 saves them (``base_model.model.<module>.lora_A.weight``; see :func:`adapter_params`), and the rollout
 servers add ``alpha / rank * B @ A`` to their own copy of the base weights (:mod:`weight_sync.lora`).
-Checkpoints hold the adapters and their optimizer state (the base weights are ``model.path``'s);
-``final/`` holds the merged Hugging Face model and ``final/adapter/`` the peft adapter.
+``model.lora.modules_to_save`` (peft's knob) trains whole modules beside the adapters: peft keeps a
+trainable copy of each, which travels whole under its saved name (``base_model.model.model.norm.weight``)
+and replaces the receiver's weight. Checkpoints hold the adapters, the saved modules and their optimizer
+state (the base weights are ``model.path``'s); ``final/`` holds the merged Hugging Face model and
+``final/adapter/`` the peft adapter (with the saved modules, as peft writes them).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def peft_config(lora: LoraConfig):
         lora_alpha=lora.alpha,
         target_modules=lora.target_modules,
         lora_dropout=lora.dropout,
+        modules_to_save=lora.modules_to_save or None,
+        ensure_weight_tying=bool(lora.modules_to_save),  # a saved tied embedding stays tied to its output layer
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -43,6 +48,7 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
         from peft import get_peft_model
     except ImportError:
         raise RuntimeError("model.lora needs the peft package: pip install -e .[lora]") from None
+    _check_tied(model, lora)
     wrapped = get_peft_model(model, peft_config(lora))
     if lora.dropout:
         # from_pretrained leaves the model in eval mode, where peft's dropout does nothing.
@@ -55,17 +61,45 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
     return wrapped
 
 
+def _check_tied(model: torch.nn.Module, lora: LoraConfig) -> None:
+    """``modules_to_save`` entries each match a module (peft would skip one silently), and no LoRA target
+    shares its weight with another module: a rollout server merges ``B @ A`` into the shared tensor, which
+    would change its tied twin too (``embed_tokens`` of a tied ``lm_head``). A saved module may be tied:
+    peft's ``ensure_weight_tying`` then trains one copy for both, and a server's tied pair stays equal."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    missing = [n for n in lora.modules_to_save if not any(m.endswith(n) for m in modules)]
+    if missing:
+        raise ValueError(f"model.lora.modules_to_save: {missing} match no module of {model.config.name_or_path!r}")
+    if lora.target_modules == "all-linear":  # peft leaves the output layer out of all-linear
+        return
+    owners: dict[int, list[str]] = {}
+    for name, module in modules.items():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    for name, module in modules.items():
+        if any(name.endswith(t) for t in lora.target_modules):
+            for p in module.parameters(recurse=False):
+                twins = [o for o in owners[id(p)] if o != name]
+                if twins:
+                    raise ValueError(
+                        f"model.lora.target_modules: {name!r} shares its weight with {twins} (tied embeddings),"
+                        " so a merged adapter would change both — put it in modules_to_save instead"
+                    )
+
+
 def is_lora(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
 def peft_name(name: str) -> str:
-    """``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight`` (the name peft saves)."""
-    return name.replace(".default.", ".")
+    """``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight`` and
+    ``...norm.modules_to_save.default.weight`` -> ``...norm.weight`` (the names peft saves)."""
+    return name.replace(".modules_to_save.default.", ".").replace(".default.", ".")
 
 
 def adapter_params(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The trainable adapter parameters under the names peft saves them with: what a weight update sends."""
+    """The trainable parameters (adapters, saved modules) under the names peft saves them with: what a
+    weight update sends."""
     return [(peft_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
 
 

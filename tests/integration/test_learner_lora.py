@@ -1,5 +1,6 @@
-"""LoRA on the actor under FSDP2 with two real gloo ranks: adapters train, the base stays, checkpoints
-hold adapters and resume exactly, ``final/`` holds the merged model and ``final/adapter`` the peft adapter.
+"""LoRA on the actor under FSDP2 with two real gloo ranks: adapters and the saved (tied) embedding train,
+the base stays, checkpoints hold both and resume exactly, ``final/`` holds the merged model and
+``final/adapter`` the peft adapter.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from torch.testing import assert_close
 from tether.redis_server import free_port
 
 pytestmark = pytest.mark.slow
-LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "modules_to_save": ["embed_tokens"]}
+SAVED = "base_model.model.model.embed_tokens.modules_to_save.default.weight"
 
 
 def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
@@ -74,17 +76,21 @@ def test_lora_trains_adapters_only_and_exports_adapter_and_merged(tiny_model_dir
     mp.spawn(_worker, args=(free_port(), str(tiny_model_dir), str(tmp_path)), nprocs=2)
     result = json.loads((tmp_path / "result.json").read_text())
     trained = load_file(str(tmp_path / "trained.st"))
-    # Only the adapters are optimised; the base weights are bit-for-bit model.path's.
-    assert result["names"] and all(".lora_A." in n or ".lora_B." in n for n in result["names"])
+    # Only the adapters and the saved embedding (one copy, tied to the output layer) are optimised; the
+    # base weights are bit-for-bit model.path's.
+    assert SAVED in result["names"]
+    assert all(".lora_A." in n or ".lora_B." in n for n in result["names"] if n != SAVED)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     for name, value in trained.items():
-        if ".lora_" not in name:
-            plain = name.replace("base_model.model.", "").replace(".base_layer", "")
+        if ".lora_" not in name and ".modules_to_save." not in name:
+            plain = name.replace("base_model.model.", "").replace(".base_layer", "").replace(".original_module", "")
             assert_close(value, base[plain], rtol=0, atol=0)
     assert all(trained[n].abs().sum() > 0 for n in result["names"] if ".lora_B." in n)  # B left its zero init
-    # A checkpoint holds the adapters (and their optimizer state), not the base model.
+    assert (trained[SAVED] - base["model.embed_tokens.weight"]).abs().max() > 1e-4  # the saved copy trained
+    # A checkpoint holds the adapters and the saved module (and their optimizer state), not the base model.
     model_keys = [k for k in result["stored"] if k.startswith("model.")]
-    assert model_keys and all(".lora_" in k for k in model_keys)
+    assert model_keys and all(".lora_" in k or ".modules_to_save." in k for k in model_keys)
+    assert any(".modules_to_save." in k for k in model_keys)
     for key in ("loss/total", "loss/pg", "actor/grad_norm"):
         assert_close(result["resumed"][key], result["row"][key], rtol=0, atol=0, msg=key)
     # final/ is the merged model; final/adapter on the base model computes the same.

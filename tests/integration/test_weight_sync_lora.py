@@ -1,8 +1,9 @@
 """LoRA weight sync end to end: adapter tensors only over gloo, merged into a real receiver's base weights.
 
-The learner side is a peft model (as the learner trains it), the receiver a transformers model loaded
-from the same ``model.path`` behind a real Control gRPC server. The update must carry exactly the adapter
-bytes, and afterwards the receiver must compute what the learner's adapted model computes — also after
+The learner side is a peft model (as the learner trains it) with the tied embedding and the final norm
+trained whole (``modules_to_save``), the receiver a transformers model loaded from the same ``model.path`` behind a real
+Control gRPC server. The update must carry exactly the adapter and saved-module bytes, and afterwards the
+receiver must compute what the learner's adapted model computes — also after
 a second update (merged from the base again, not on top of the first) and on a server that starts late
 and catches up from the adapter snapshot.
 """
@@ -34,7 +35,14 @@ def _cfg(tmp_path: Path) -> TetherConfig:
     return TetherConfig.model_validate(
         {
             "run": {"run_id": "lora", "output_dir": str(tmp_path)},
-            "model": {"lora": {"rank": 4, "alpha": 8, "target_modules": "all-linear"}},
+            "model": {
+                "lora": {
+                    "rank": 4,
+                    "alpha": 8,
+                    "target_modules": "all-linear",
+                    "modules_to_save": ["embed_tokens", "model.norm"],
+                }
+            },
             "weight_sync": {
                 "transport": {"type": "gloo", "master_port": 0},
                 "verify_checksums": True,
@@ -56,7 +64,8 @@ def test_lora_update_sends_adapters_only_and_the_receiver_computes_the_adapted_m
     learner = apply_lora(ModelEngine.from_path(tiny_model_dir).model, cfg.model.lora)
     base_bytes = sum(p.numel() * p.element_size() for n, p in learner.named_parameters() if not p.requires_grad)
     params = adapter_params(learner)
-    assert params and all(".lora_A.weight" in n or ".lora_B.weight" in n for n, _ in params)
+    saved = [n for n, _ in params if ".lora_A.weight" not in n and ".lora_B.weight" not in n]
+    assert saved == ["base_model.model.model.embed_tokens.weight", "base_model.model.model.norm.weight"]
     addresses = [fleet.add(tiny_model_dir, cfg)]
     engine = fleet.engines[0]
     before = logits(engine.model)
@@ -64,12 +73,14 @@ def test_lora_update_sends_adapters_only_and_the_receiver_computes_the_adapted_m
     try:
         for version in (1, 2):
             with torch.no_grad():  # B starts at 0 (no change); random adapters make every update visible
-                for _, p in params:
-                    p.normal_(0, 0.05)
+                for n, p in params:
+                    p.normal_(0, 0.05) if n not in saved else p.mul_(1 + 0.5 * torch.rand_like(p))
             metrics = sender.publish(version)
             assert metrics["weight_sync/reached"] == 1, sender.last_dropped
-            adapter_bytes = sum(p.numel() * p.element_size() for _, p in params)
-            assert metrics["weight_sync/bytes"] == adapter_bytes < base_bytes / 10
+            lora_bytes = sum(p.numel() * p.element_size() for n, p in params if n not in saved)
+            conf = learner.config  # one tied embedding copy and the final norm, float32
+            saved_bytes = 4 * (conf.vocab_size * conf.hidden_size + conf.hidden_size)
+            assert metrics["weight_sync/bytes"] == lora_bytes + saved_bytes < base_bytes / 2
             assert engine.policy_version == version
             expected = logits(learner)
             assert (expected - before).abs().max() > 1e-3  # the adapters do change the outputs

@@ -26,6 +26,12 @@ class LoraConfig(Section):
     """Dropout on the adapter input in training forwards (peft ``lora_dropout``); it makes the update's
     log-probs noisy, so RL runs usually keep 0."""
 
+    modules_to_save: list[str] = Field(default_factory=list)
+    """Whole modules trained beside the adapters and sent with them in every weight update (peft and verl:
+    ``modules_to_save``), matched as peft matches them: a module whose name ends with the entry, e.g.
+    ``[embed_tokens]`` or ``[lm_head]`` (with ``tie_word_embeddings`` peft trains one tied copy for both,
+    ``configs/demo-lora.yaml``) or ``[norm]`` (every RMSNorm weight)."""
+
     @field_validator("target_modules")
     @classmethod
     def _some_modules(cls, v: list[str] | str) -> list[str] | str:
@@ -57,5 +63,6 @@ class ModelConfig(Section):
     """Allow model folders that ship their own modelling code."""
 
     lora: LoraConfig | None = None
-    """Train LoRA adapters instead of the full actor (``{rank, alpha, target_modules, dropout}``); weight
-    updates then carry adapter tensors only. Empty: full fine-tuning."""
+    """Train LoRA adapters instead of the full actor (``{rank, alpha, target_modules, dropout,
+    modules_to_save}``); weight updates then carry the adapter tensors (and the saved modules) only.
+    Empty: full fine-tuning."""
