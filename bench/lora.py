@@ -2,12 +2,14 @@
 
     python bench/lora.py [--quick] [--steps N] [--rank R]
 
-One process (gloo, or NCCL on a GPU), two ``Trainer``s on the 256-wide 4-layer tiny model (FSDP2, packed
-rows): full fine-tuning (every weight in AdamW) and ``model.lora`` (rank R adapters on every linear
-layer, only they in AdamW). Every step trains the same batch on both, the order alternating; a ratio is
-taken per step (LoRA steps/s over full) and the figure is the median with the min–max. The update size is
-the weight sender's own layout of what it would send: all parameters, or the adapters (counted bytes,
-no timing, no spread). Timing is never asserted anywhere; a test only runs ``--quick``.
+One process (gloo, or NCCL on a GPU), three ``Trainer``s on the 256-wide 4-layer tiny model (FSDP2, packed
+rows): full fine-tuning (every weight in AdamW), ``model.lora`` (rank R adapters on every linear layer,
+only they in AdamW) and the same with the tied embedding trained whole (``modules_to_save:
+[embed_tokens]``, the ``configs/demo-lora.yaml`` recipe). Every step trains the same batch on all three,
+the order rotating; a ratio is taken per step (LoRA steps/s over full) and the figure is the median with
+the min–max. The update size is the weight sender's own layout of what it would send: all parameters, or
+the adapters (and saved modules) (counted bytes, no timing, no spread). Timing is never asserted
+anywhere; a test only runs ``--quick``.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)  # fmt: skip
     hidden, layers, heads = (64, 2, 2) if args.quick else (256, 4, 4)
-    sides = {"full": None, "lora": {"rank": args.rank, "alpha": 2 * args.rank}}
+    lora = {"rank": args.rank, "alpha": 2 * args.rank}
+    sides = {"full": None, "lora": lora, "lora_saved": {**lora, "modules_to_save": ["embed_tokens"]}}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(tmp, hidden=hidden, layers=layers, heads=heads)
         batches = [make_groups(4, 8, vocab=256, seed=s, completion_len=(16, 256)) for s in range(steps + 1)]
@@ -78,14 +81,18 @@ def main(argv: list[str] | None = None) -> int:
             took.append(row)
         del trainers
     dist.destroy_process_group()
-    print(f"bytes per update: full {sent['full']}, LoRA rank {args.rank} {sent['lora']}")
-    where = f"{device.type}, hidden {hidden}, {layers} layers, rank {args.rank} all-linear"
-    speed = [t["full"] / t["lora"] for t in took]
-    size = [sent["lora"] / sent["full"]]
-    base = f"full fine-tuning, same model and batches, same run; {where}"
-    report(figure("lora/steps_per_s_vs_full", speed, goal=None, direction="min", baseline=base), quick=args.quick)
-    base = f"a full update's bytes (counted, not timed); {where}"
-    report(figure("lora/update_bytes_vs_full", size, goal=None, direction="max", baseline=base), quick=args.quick)
+    print(f"bytes per update: full {sent['full']}, LoRA rank {args.rank} {sent['lora']}, "
+          f"with the embedding saved {sent['lora_saved']}")  # fmt: skip
+    for side, extra in (("lora", ""), ("lora_saved", " + modules_to_save embed_tokens")):
+        where = f"{device.type}, hidden {hidden}, {layers} layers, rank {args.rank} all-linear{extra}"
+        speed = [t["full"] / t[side] for t in took]
+        base = f"full fine-tuning, same model and batches, same run; {where}"
+        fig = figure(f"{side}/steps_per_s_vs_full", speed, goal=None, direction="min", baseline=base)
+        report(fig, quick=args.quick)
+        base = f"a full update's bytes (counted, not timed); {where}"
+        fig = figure(f"{side}/update_bytes_vs_full", [sent[side] / sent["full"]], goal=None, direction="max",
+                     baseline=base)  # fmt: skip
+        report(fig, quick=args.quick)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""LoRA merging on the receiver against peft's own merge, on random adapters; bad updates are refused."""
+"""LoRA on the receiver against peft's own merge on random adapters, saved modules replaced whole, and
+refusals: bad updates, unknown saved modules, a LoRA target tied to another module."""
 
 from __future__ import annotations
 
@@ -53,3 +54,49 @@ def test_bad_updates_are_refused_with_a_message() -> None:
     _, named, _ = _peft_pair()
     with pytest.raises(ValueError, match="without lora_B"):
         adapter_pairs([p for p in named if ".lora_B." not in p[0]])
+
+
+def test_saved_module_tensors_replace_their_weight_whole() -> None:
+    _, named, scale = _peft_pair()
+    bias = torch.randn(12)
+    update = [*named, ("base_model.model.0.bias", bias)]  # a module trained whole travels under its saved name
+    plain = torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.Linear(12, 16))
+    AdapterApplier(scale).load(plain, update, sums=False)
+    assert torch.equal(plain[0].bias, bias)
+    base = [("0.weight", torch.zeros(12, 16)), ("0.bias", torch.ones(12)), ("1.weight", torch.zeros(16, 12))]
+    assert torch.equal(dict(merged_checkpoint(update, lambda: iter(base), scale))["0.bias"], bias)
+    with pytest.raises(ValueError, match="does not fit"):
+        AdapterApplier(scale).load(plain, [("base_model.model.0.bias", torch.ones(3))], sums=False)
+    for frozen in ("base_model.model.0.base_layer.weight", "base_model.model.norm.original_module.weight"):
+        with pytest.raises(ValueError, match="not a LoRA adapter tensor"):
+            target_name(frozen)
+
+
+def test_apply_lora_refuses_unknown_saved_modules_and_tied_targets(tiny_model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from learner.lora import adapter_params, apply_lora
+    from tether.config.model import LoraConfig
+
+    def model():
+        return AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+
+    with pytest.raises(ValueError, match="match no module"):
+        apply_lora(model(), LoraConfig(modules_to_save=["nope"]))
+    with pytest.raises(ValueError, match="tied embeddings"):
+        apply_lora(model(), LoraConfig(target_modules=["q_proj", "lm_head"]))
+    wrapped = apply_lora(model(), LoraConfig(modules_to_save=["lm_head"]))  # tied: one trained copy for both
+    saved = [n for n, _ in adapter_params(wrapped) if ".lora_" not in n]
+    assert saved == ["base_model.model.model.embed_tokens.weight"]
+    inner = wrapped.base_model.model
+    assert inner.lm_head.modules_to_save.default.weight is inner.model.embed_tokens.modules_to_save.default.weight
+
+
+def test_demo_lora_config_is_the_documented_recipe() -> None:
+    from pathlib import Path
+
+    from tether.config import load_config
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "demo-lora.yaml", [])
+    assert cfg.model.lora is not None and cfg.model.lora.modules_to_save == ["embed_tokens"]
+    assert cfg.learner.data_path == "demo:charclass"
