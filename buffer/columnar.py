@@ -119,7 +119,7 @@ def encode_columnar(g: GroupData) -> tuple[bytes, int, int]:
         ).encode()
     except (TypeError, ValueError) as e:  # a non-string id or key, a reward that is not a number, ...
         raise InvalidTrajectory(f"trajectory group {g.group_id}: a field has the wrong type ({e})") from None
-    _check_header(_loads(head) if _needs_recheck(ts, g) else None)
+    _check_header(_loads(head.decode()) if _needs_recheck(ts, g) else None)
     pad = -(len(head) + _PREFIX.size) % 8
     start = _PREFIX.size + len(head) + pad
     total_c, total_p = sum(n_completion), sum(n_prompt)
