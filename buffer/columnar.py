@@ -4,28 +4,32 @@ whole group concatenated, so that neither side does Python work per token or per
 Why not the protobuf ``TrajectoryGroup`` (:mod:`buffer.wire`, still decoded for entries written before
 this format): at 1K-token completions Redis moves a G=8 group in ~330 µs, and walking the protobuf wire
 format in Python costs ~40 fields and ~30 µs per trajectory each way. Here encoding is one
-``json.dumps`` and one ``b"".join`` over the arrays' own buffers; decoding is one ``json.loads``, five
-``np.frombuffer`` views into the payload (no copy, read-only) split per trajectory, and the checks of
+``struct.pack`` of the numbers, one ``json.dumps`` of the strings and one ``np.concatenate`` per column
+straight into the payload; decoding is one ``struct.unpack_from``, one ``json.loads``, five
+``np.frombuffer`` views into the payload (no copy, read-only) sliced per trajectory, and the checks of
 :func:`tether.trajectory.validate` as four reductions over whole columns. Per-token arrays of
 different lengths cannot be expressed: every completion column is cut at the same offsets.
 
-Layout, version 1 (all integers little-endian)::
+Layout, version 1 (little-endian)::
 
-    b"TGC" + version (1 byte) | header length H (u32) | header: JSON object, padded with spaces so the
-    columns start on an 8-byte boundary | behavior_logprobs f4[C] | completion_token_ids i4[C] |
-    policy_versions i4[C] | prompt_token_ids i4[P] | loss_mask u1[C]
+    b"TGC" + version (1 byte) | G (u32) | H (u32) | 0 (u32)
+    | reward f8[G] | started_at f8[G] | finished_at f8[G] | completion length i4[G] | prompt length i4[G]
+    | finish_reason i4[G] | header: H bytes of JSON, spaces at its end so the columns start 8-aligned
+    | behavior_logprobs f4[C] | completion_token_ids i4[C] | policy_versions i4[C] | prompt_token_ids i4[P]
+    | loss_mask u1[C]
 
-with C and P the sums of the header's ``nc`` and ``np`` lengths, and the payload exactly that long.
-The header holds the group's ``group_id``/``prompt_id``/``metadata`` and one list per trajectory field
-(ids, rewards, finish reasons, server ids, log-prob sources, reward components, metadata, start and
-finish times as float seconds). A payload with another magic or version raises
-:class:`~tether.trajectory.InvalidTrajectory` saying so, which the reader turns into a dead letter.
+with C and P the sums of the lengths, and the payload exactly that long. The JSON header holds the
+strings: ``g`` (group id), ``p`` (prompt id), ``m`` (group metadata) and per trajectory ``id``, ``s``
+(server id), ``ls`` (log-prob source), ``rc`` (reward components) and ``tm`` (metadata). A payload
+with another magic or version raises :class:`~tether.trajectory.InvalidTrajectory` saying so, which the
+reader turns into a dead letter.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+from functools import lru_cache
 from itertools import accumulate, chain
 
 import numpy as np
@@ -43,7 +47,7 @@ from tether.trajectory import (
 
 MAGIC = b"TGC"
 VERSION = 1
-_PREFIX = struct.Struct("<3sBI")
+_PREFIX = struct.Struct("<3sBIII")  # magic, version, G, H, 0
 # (attribute, dtype, counted by "nc" (completion) or "np" (prompt)), in payload order: 4-byte types first,
 # so every column stays aligned.
 _COLUMNS = (
@@ -54,6 +58,15 @@ _COLUMNS = (
     ("loss_mask", MASK_DTYPE, "nc"),
 )
 _BYTES_PER_COMPLETION_TOKEN = sum(d.itemsize for _, d, counted in _COLUMNS if counted == "nc")
+_MAX_GROUP = 1 << 16  # trajectories per group: far above any G, and a bound on what a header may claim
+
+
+@lru_cache(maxsize=64)
+def _numbers(g: int) -> struct.Struct:
+    """The fixed-size block of one group's per-trajectory numbers (see the module docstring)."""
+    return struct.Struct(f"<{3 * g}d{3 * g}i")
+
+
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=True).encode
 _loads = json.JSONDecoder().decode
 
@@ -98,33 +111,41 @@ def encode_columnar(g: GroupData) -> tuple[bytes, int, int]:
             raise _refuse(ts)
         n_prompt.append(len(t.prompt_token_ids))
         n_completion.append(n)
+    g_count = len(ts)
+    if g_count > _MAX_GROUP:
+        raise InvalidTrajectory(f"trajectory group {g.group_id} has {g_count} trajectories (at most {_MAX_GROUP})")
     try:
+        numbers = _numbers(g_count).pack(
+            *[t.reward for t in ts],
+            *[t.started_at for t in ts],
+            *[t.finished_at for t in ts],
+            *n_completion,
+            *n_prompt,
+            *[t.finish_reason for t in ts],
+        )
         head = _dumps(
             {
                 "g": g.group_id,
                 "p": g.prompt_id,
                 "m": g.metadata,
-                "np": n_prompt,
-                "nc": n_completion,
                 "id": [t.id for t in ts],
-                "r": [float(t.reward) for t in ts],
-                "fr": [int(t.finish_reason) for t in ts],
                 "s": [t.server_id for t in ts],
                 "ls": [t.logprob_source for t in ts],
-                "rc": [t.reward_components for t in ts],
+                "rc": [_plain_numbers(t.reward_components) for t in ts],
                 "tm": [t.metadata for t in ts],
-                "t0": [float(t.started_at) for t in ts],
-                "t1": [float(t.finished_at) for t in ts],
             }
         ).encode()
-    except (TypeError, ValueError) as e:  # a non-string id or key, a reward that is not a number, ...
+    except (TypeError, ValueError, struct.error) as e:  # a reward that is not a number, a non-string key, ...
         raise InvalidTrajectory(f"trajectory group {g.group_id}: a field has the wrong type ({e})") from None
-    _check_header(_loads(head.decode()) if _needs_recheck(ts, g) else None)
-    pad = -(len(head) + _PREFIX.size) % 8
-    start = _PREFIX.size + len(head) + pad
+    if min(t.finish_reason for t in ts) < 0:
+        raise InvalidTrajectory(f"trajectory group {g.group_id}: a negative finish reason")
+    if _needs_recheck(ts, g):
+        _check_header(_loads(head.decode()), g_count)
+    pad = -(_PREFIX.size + len(numbers) + len(head)) % 8
+    start = _PREFIX.size + len(numbers) + len(head) + pad
     total_c, total_p = sum(n_completion), sum(n_prompt)
     payload = bytearray(start + total_c * _BYTES_PER_COMPLETION_TOKEN + total_p * TOKEN_DTYPE.itemsize)
-    payload[:start] = _PREFIX.pack(MAGIC, VERSION, len(head) + pad) + head + b" " * pad
+    payload[:start] = _PREFIX.pack(MAGIC, VERSION, g_count, len(head) + pad, 0) + numbers + head + b" " * pad
     views = _views(payload, start, total_c, total_p)
     try:
         for name, _, _ in _COLUMNS:  # one copy per column, straight into the payload, converting as it goes
@@ -132,6 +153,17 @@ def encode_columnar(g: GroupData) -> tuple[bytes, int, int]:
     except (TypeError, ValueError) as e:  # not 1-D, or of a kind that does not convert (float token ids)
         raise InvalidTrajectory(f"trajectory group {g.group_id}: a per-token array does not fit ({e})") from None
     return payload, _check_columns(views, ts), sum(n_completion)
+
+
+def _plain_numbers(components: dict) -> dict:
+    """``components`` itself when JSON can write it as it is, else its values as Python floats (numpy scalars
+    from a reward function); anything that is not a number stays, and JSON refuses it."""
+    if _only(components.values(), float, int):
+        return components
+    try:
+        return {k: float(v) for k, v in components.items()}
+    except (TypeError, ValueError):
+        return components
 
 
 def _needs_recheck(ts: list[TrajectoryData], g: GroupData) -> bool:
@@ -174,18 +206,15 @@ def _views(data: bytes | bytearray, offset: int, n_completion: int, n_prompt: in
     return views
 
 
-def _list(head: dict, key: str, g: int, *kinds: type) -> list:
+def _list(head: dict, key: str, g: int, kind: type) -> list:
     value = head.get(key)
-    if type(value) is not list or len(value) != g or not _only(value, *kinds):
-        names = " or ".join(k.__name__ for k in kinds)
-        raise InvalidTrajectory(f"columnar payload: header field {key!r} is not a list of {g} values of type {names}")
+    if type(value) is not list or len(value) != g or not _only(value, kind):
+        raise InvalidTrajectory(f"columnar payload: header field {key!r} is not a list of {g} {kind.__name__}s")
     return value
 
 
-def _check_header(head: object) -> None:
+def _check_header(head: object, g: int) -> None:
     """Raises :class:`InvalidTrajectory` naming the first header field that is missing or of the wrong type."""
-    if head is None:
-        return
     if type(head) is not dict:
         raise InvalidTrajectory("columnar payload: the header is not a JSON object")
     for key in ("g", "p"):
@@ -195,20 +224,8 @@ def _check_header(head: object) -> None:
         raise InvalidTrajectory("trajectory group has no group_id")
     if not _str_maps([head.get("m")]):
         raise InvalidTrajectory("columnar payload: group metadata is not a map of strings")
-    lengths = head.get("nc")
-    if type(lengths) is not list or not lengths:
-        raise InvalidTrajectory(f"trajectory group {head['g']} is empty")
-    g = len(lengths)
-    for key in ("np", "nc", "fr"):
-        _list(head, key, g, int)
     for key in ("id", "s", "ls"):
         _list(head, key, g, str)
-    for key in ("r", "t0", "t1"):
-        _list(head, key, g, float, int)
-    if min(head["np"]) < 0 or min(lengths) < 0:
-        raise InvalidTrajectory("columnar payload: a negative array length")
-    if not all(0 <= f < 2**31 for f in head["fr"]):  # a protobuf enum is an int32
-        raise InvalidTrajectory("columnar payload: a finish reason out of range")
     if not _num_maps(_list(head, "rc", g, dict)):
         raise InvalidTrajectory("columnar payload: reward components are not a map of string to number")
     if not _str_maps(_list(head, "tm", g, dict)):
@@ -219,25 +236,32 @@ def _check_header(head: object) -> None:
 
 def decode_columnar(data: bytes) -> tuple[GroupData, int]:
     """``(group, oldest policy version)``, validated; the per-token arrays are read-only views into ``data``."""
+    if data[:3] != MAGIC:
+        raise InvalidTrajectory(f"not a columnar trajectory group (starts with {bytes(data[:4])!r})")
     if len(data) < _PREFIX.size:
         raise InvalidTrajectory(f"columnar payload of {len(data)} bytes is shorter than its {_PREFIX.size}-byte prefix")
-    magic, version, hlen = _PREFIX.unpack_from(data)
-    if magic != MAGIC:
-        raise InvalidTrajectory(f"not a columnar trajectory group (starts with {bytes(data[:4])!r})")
+    _, version, g, hlen, _ = _PREFIX.unpack_from(data)
     if version != VERSION:
         raise InvalidTrajectory(
             f"columnar payload version {version}; this reader knows version {VERSION} — "
             "upgrade the learner to read entries written by newer rollout servers"
         )
-    start = _PREFIX.size + hlen
+    if not 0 < g <= _MAX_GROUP:
+        raise InvalidTrajectory(f"columnar payload: a group of {g} trajectories (1 to {_MAX_GROUP} allowed)")
+    numbers = _numbers(g)
+    start = _PREFIX.size + numbers.size + hlen
     if start > len(data):
         raise InvalidTrajectory(f"columnar payload: header of {hlen} bytes runs past the payload's end")
+    values = numbers.unpack_from(data, _PREFIX.size)
+    rewards, started, finished = values[:g], values[g : 2 * g], values[2 * g : 3 * g]
+    n_completion, n_prompt, reasons = values[3 * g : 4 * g], values[4 * g : 5 * g], values[5 * g :]
+    if min(n_completion) < 0 or min(n_prompt) < 0 or min(reasons) < 0:
+        raise InvalidTrajectory("columnar payload: a negative array length or finish reason")
     try:
-        head = _loads(bytes(data[_PREFIX.size : start]).decode())
+        head = _loads(bytes(data[_PREFIX.size + numbers.size : start]).decode())
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise InvalidTrajectory(f"columnar payload: header is not JSON ({e})") from None
-    _check_header(head)
-    n_prompt, n_completion = head["np"], head["nc"]
+    _check_header(head, g)
     total_c, total_p = sum(n_completion), sum(n_prompt)
     expected = start + total_c * _BYTES_PER_COMPLETION_TOKEN + total_p * TOKEN_DTYPE.itemsize
     if len(data) != expected:
@@ -257,7 +281,7 @@ def decode_columnar(data: bytes) -> tuple[GroupData, int]:
             behavior_logprobs=logprobs,
             policy_versions=versions,
             loss_mask=mask,
-            reward=float(reward),
+            reward=reward,
             reward_components=rc,
             finish_reason=fr,
             id=tid,
@@ -265,8 +289,8 @@ def decode_columnar(data: bytes) -> tuple[GroupData, int]:
             server_id=sid,
             logprob_source=source,
             metadata=tm,
-            started_at=float(t0),
-            finished_at=float(t1),
+            started_at=t0,
+            finished_at=t1,
         )
         for prompt, tokens, logprobs, versions, mask, reward, rc, fr, tid, sid, source, tm, t0, t1 in zip(
             split["prompt_token_ids"],
@@ -274,15 +298,15 @@ def decode_columnar(data: bytes) -> tuple[GroupData, int]:
             split["behavior_logprobs"],
             split["policy_versions"],
             split["loss_mask"],
-            head["r"],
+            rewards,
             head["rc"],
-            head["fr"],
+            reasons,
             head["id"],
             head["s"],
             head["ls"],
             head["tm"],
-            head["t0"],
-            head["t1"],
+            started,
+            finished,
             strict=True,
         )
     ]

@@ -142,35 +142,68 @@ def test_encode_refuses_a_trajectory_of_another_group_and_bad_types() -> None:
         encode_columnar(group)
 
 
+def test_numpy_scalars_in_reward_components_are_written_as_numbers() -> None:
+    group = make_group(g=2, rich=True)
+    group.trajectories[1].reward_components = {"format": np.float32(0.5), "answer": np.int64(1)}
+    back = decode_columnar(bytes(encode_columnar(group)[0]))[0]
+    assert back.trajectories[1].reward_components == {"format": 0.5, "answer": 1.0}
+
+
 def _with_header(payload: bytes, **changes: object) -> bytes:
-    (hlen,) = struct.unpack_from("<I", payload, 4)
-    head = json.loads(payload[8 : 8 + hlen]) | changes
+    _, _, g, hlen, _ = struct.unpack_from("<3sBIII", payload)
+    start = 16 + 36 * g
+    head = json.loads(payload[start : start + hlen]) | changes
     raw = json.dumps(head).encode()
-    raw += b" " * (-(len(raw) + 8) % 8)
-    return payload[:4] + struct.pack("<I", len(raw)) + raw + payload[8 + hlen :]
+    raw += b" " * (-(start + len(raw)) % 8)
+    return payload[:8] + struct.pack("<I", len(raw)) + payload[12:start] + raw + payload[start + hlen :]
+
+
+def _with_numbers(payload: bytes, *, nc: list[int] | None = None, np_: list[int] | None = None,
+                  fr: list[int] | None = None) -> bytes:  # fmt: skip
+    (g,) = struct.unpack_from("<I", payload, 4)
+    block = struct.Struct(f"<{3 * g}d{3 * g}i")
+    values = list(block.unpack_from(payload, 16))
+    for k, new in enumerate((nc, np_, fr)):
+        if new is not None:
+            values[3 * g + k * g : 3 * g + (k + 1) * g] = new
+    return payload[:16] + block.pack(*values) + payload[16 + block.size :]
 
 
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"id": ["a", 2, "c", "d"]}, "'id' is not a list of 4"),
-        ({"nc": [16, 16, 16]}, "'np' is not a list of 3"),
-        ({"nc": [16, 16, 16, True]}, "'nc' is not a list of 4"),
-        ({"nc": [17, 16, 16, 15]}, None),  # same total: the split moves, the checks still hold
-        ({"nc": [16, 16, 16, 17]}, "its header describes"),
-        ({"np": [5, 5, 5, -5]}, "negative"),
+        ({"id": ["a", 2, "c", "d"]}, "'id' is not a list of 4 strs"),
+        ({"s": ["a"]}, "'s' is not a list of 4"),
         ({"tm": [{}, {}, {}, {"a": 1}]}, "trajectory metadata"),
         ({"rc": [{}, {}, {}, {"a": "x"}]}, "reward components"),
+        ({"m": []}, "group metadata"),
         ({"g": ""}, "no group_id"),
-        ({"nc": []}, "is empty"),
-        ({"fr": [0, 0, 0, 2**40]}, "finish reason"),
+        ({"p": None}, "'p' is not a string"),
     ],
 )
-def test_a_bad_header_is_refused_naming_what_is_wrong(changes: dict, match: str | None) -> None:
+def test_a_bad_header_is_refused_naming_what_is_wrong(changes: dict, match: str) -> None:
     payload = bytes(encode_columnar(make_group())[0])
-    bad = _with_header(payload, **changes)
+    with pytest.raises(InvalidTrajectory, match=match):
+        decode_columnar(_with_header(payload, **changes))
+
+
+@pytest.mark.parametrize(
+    ("numbers", "match"),
+    [
+        ({"nc": [17, 16, 16, 15]}, None),  # same total: the cut moves, every check still holds
+        ({"nc": [16, 16, 16, 17]}, "its header describes"),
+        ({"np_": [5, 5, 10, 0]}, None),
+        ({"np_": [5, 5, 5, -5]}, "negative"),
+        ({"fr": [0, 0, 0, -1]}, "negative"),
+    ],
+)
+def test_bad_lengths_are_refused(numbers: dict, match: str | None) -> None:
+    payload = bytes(encode_columnar(make_group())[0])
+    bad = _with_numbers(payload, **numbers)
     if match is None:
-        assert [t.num_completion_tokens for t in decode_columnar(bad)[0].trajectories] == [17, 16, 16, 15]
+        back = decode_columnar(bad)[0].trajectories
+        assert [len(t.completion_token_ids) for t in back] == numbers.get("nc", [16] * 4)
+        assert [len(t.prompt_token_ids) for t in back] == numbers.get("np_", [5] * 4)
         return
     with pytest.raises(InvalidTrajectory, match=match):
         decode_columnar(bad)
@@ -182,8 +215,11 @@ def test_another_version_or_format_is_refused_with_the_reason() -> None:
         decode_group_payload(CODEC_COLUMNAR, payload[:3] + b"\x02" + payload[4:])
     with pytest.raises(InvalidTrajectory, match="not a columnar trajectory group"):
         decode_group_payload(CODEC_COLUMNAR, encode_group_fast(make_group()))
+    start = 16 + 36 * 4
     with pytest.raises(InvalidTrajectory, match="header is not JSON"):
-        decode_columnar(payload[:8] + b"x" + payload[9:])
+        decode_columnar(payload[:start] + b"x" + payload[start + 1 :])
+    with pytest.raises(InvalidTrajectory, match="a group of 0 trajectories"):
+        decode_columnar(payload[:4] + struct.pack("<I", 0) + payload[8:])
     with pytest.raises(InvalidTrajectory, match="bytes, its header describes"):
         decode_columnar(payload[:-1])
 
