@@ -81,20 +81,22 @@ def _refuse(trajectories: list[TrajectoryData]) -> InvalidTrajectory:
 def _check_columns(views: dict[str, np.ndarray], trajectories: list[TrajectoryData]) -> int:
     """The checks of :func:`~tether.trajectory.validate` over whole columns; the group's oldest version."""
     completions, prompts = views["completion_token_ids"], views["prompt_token_ids"]
-    versions = views["policy_versions"]
+    versions, mask = views["policy_versions"], views["loss_mask"]
+    oldest = int(versions.min()) if versions.size else -1
     if (
         (completions.size and completions.min() < 0)
         or (prompts.size and prompts.min() < 0)
-        or (versions.size and versions.min() < 0)
-        or (views["loss_mask"].size and views["loss_mask"].max() > 1)
+        or (mask.size and mask.max() > 1)
+        or (versions.size and oldest < 0)
     ):
         raise _refuse(trajectories)
-    return int(versions.min()) if versions.size else -1
+    return oldest
 
 
-def encode_columnar(g: GroupData) -> tuple[bytes, int, int]:
+def encode_columnar(g: GroupData) -> tuple[bytearray, int, int]:
     """``(payload, oldest policy version, completion tokens)``; :class:`InvalidTrajectory` (the message
-    :func:`tether.trajectory.validate` would give) for a malformed group."""
+    :func:`tether.trajectory.validate` would give) for a malformed group. The payload is a ``bytearray``
+    written in place (one copy of the arrays, no final ``bytes`` copy); Redis and zlib take it as it is."""
     if not g.group_id:
         raise InvalidTrajectory("trajectory group has no group_id")
     if not g.trajectories:
