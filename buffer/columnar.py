@@ -1,5 +1,6 @@
-"""The columnar payload of a trajectory group: one small JSON header, then each per-token array of the
-whole group concatenated, so that neither side does Python work per token or per array field.
+"""The columnar payload of a trajectory group: a small header (the numbers packed, the strings as JSON),
+then each per-token array of the whole group concatenated, so that neither side does Python work per
+token or per array field.
 
 Why not the protobuf ``TrajectoryGroup`` (:mod:`buffer.wire`, still decoded for entries written before
 this format): at 1K-token completions Redis moves a G=8 group in ~330 µs, and walking the protobuf wire
