@@ -48,7 +48,7 @@ class Encoded:
     """One group ready for :meth:`buffer.TrajectoryWriter.put_encoded`."""
 
     codec: bytes
-    payload: bytes | bytearray
+    payload: bytes
     oldest_version: int
     tokens: int
 
@@ -68,7 +68,7 @@ def encode_group_payload(
 
 def encode_payload(
     group: GroupData, *, compression: str = "none", compress_min_bytes: int = 0, level: int = 1
-) -> tuple[bytes, bytes | bytearray]:
+) -> tuple[bytes, bytes]:
     """``(codec, payload)`` for one group; raises :class:`InvalidTrajectory` if the group is malformed."""
     enc = encode_group_payload(group, compression=compression, compress_min_bytes=compress_min_bytes, level=level)
     return enc.codec, enc.payload

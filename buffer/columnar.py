@@ -5,8 +5,8 @@ token or per array field.
 Why not the protobuf ``TrajectoryGroup`` (:mod:`buffer.wire`, still decoded for entries written before
 this format): at 1K-token completions Redis moves a G=8 group in ~330 µs, and walking the protobuf wire
 format in Python costs ~40 fields and ~30 µs per trajectory each way. Here encoding is one
-``struct.pack`` of the numbers, one ``json.dumps`` of the strings and one ``np.concatenate`` per column
-straight into the payload; decoding is one ``struct.unpack_from``, one ``json.loads``, five
+``struct.pack`` of the numbers, one ``json.dumps`` of the strings and one ``b"".join`` over the arrays'
+own buffers; decoding is one ``struct.unpack_from``, one ``json.loads``, five
 ``np.frombuffer`` views into the payload (no copy, read-only) sliced per trajectory, and the checks of
 :func:`tether.trajectory.validate` as four reductions over whole columns. Per-token arrays of
 different lengths cannot be expressed: every completion column is cut at the same offsets.
@@ -94,10 +94,9 @@ def _check_columns(views: dict[str, np.ndarray], trajectories: list[TrajectoryDa
     return oldest
 
 
-def encode_columnar(g: GroupData) -> tuple[bytearray, int, int]:
+def encode_columnar(g: GroupData) -> tuple[bytes, int, int]:
     """``(payload, oldest policy version, completion tokens)``; :class:`InvalidTrajectory` (the message
-    :func:`tether.trajectory.validate` would give) for a malformed group. The payload is a ``bytearray``
-    written in place (one copy of the arrays, no final ``bytes`` copy); Redis and zlib take it as it is."""
+    :func:`tether.trajectory.validate` would give) for a malformed group."""
     if not g.group_id:
         raise InvalidTrajectory("trajectory group has no group_id")
     if not g.trajectories:
@@ -147,15 +146,34 @@ def encode_columnar(g: GroupData) -> tuple[bytearray, int, int]:
     pad = -(_PREFIX.size + len(numbers) + len(head)) % 8
     start = _PREFIX.size + len(numbers) + len(head) + pad
     total_c, total_p = sum(n_completion), sum(n_prompt)
-    payload = bytearray(start + total_c * _BYTES_PER_COMPLETION_TOKEN + total_p * TOKEN_DTYPE.itemsize)
-    payload[:start] = _PREFIX.pack(MAGIC, VERSION, g_count, len(head) + pad, 0) + numbers + head + b" " * pad
+    parts = [_PREFIX.pack(MAGIC, VERSION, g_count, len(head) + pad, 0), numbers, head, b" " * pad]
+    for name, dtype, _ in _COLUMNS:  # joined straight from the arrays' own buffers: the one copy
+        parts += [_column_piece(getattr(t, name), dtype, name) for t in ts]
+    payload = b"".join(parts)
     views = _views(payload, start, total_c, total_p)
-    try:
-        for name, _, _ in _COLUMNS:  # one copy per column, straight into the payload, converting as it goes
-            np.concatenate([getattr(t, name) for t in ts], out=views[name], casting="same_kind")
-    except (TypeError, ValueError) as e:  # not 1-D, or of a kind that does not convert (float token ids)
-        raise InvalidTrajectory(f"trajectory group {g.group_id}: a per-token array does not fit ({e})") from None
     return payload, _check_columns(views, ts), sum(n_completion)
+
+
+def _column_piece(arr: object, dtype: np.dtype, name: str) -> np.ndarray:
+    """``arr`` itself when it already has the wire layout (the usual case), else a converted copy; a value of
+    another kind (float token ids) or shape raises :class:`InvalidTrajectory` rather than being cut to fit."""
+    # ``is`` first: numpy hands out one dtype instance per builtin type, and ``==`` costs ~10x more.
+    if (
+        type(arr) is np.ndarray
+        and (arr.dtype is dtype or arr.dtype == dtype)
+        and arr.ndim == 1
+        and arr.flags.c_contiguous
+    ):
+        return arr
+    try:
+        out = np.asarray(arr)
+        if out.ndim != 1:
+            raise ValueError(f"shape {out.shape}, not one dimension")
+        if out.dtype.kind not in "biu" and dtype.kind in "iu":  # ids, versions, masks: integers only
+            raise TypeError(f"values of dtype {out.dtype} are not integers")
+        return np.ascontiguousarray(out, dtype)
+    except (TypeError, ValueError) as e:
+        raise InvalidTrajectory(f"{name} does not fit the wire's {dtype} ({e})") from None
 
 
 def _plain_numbers(components: dict) -> dict:
@@ -200,7 +218,7 @@ def _num_maps(maps: list) -> bool:
     )
 
 
-def _views(data: bytes | bytearray, offset: int, n_completion: int, n_prompt: int) -> dict[str, np.ndarray]:
+def _views(data: bytes, offset: int, n_completion: int, n_prompt: int) -> dict[str, np.ndarray]:
     views = {}
     for name, dtype, counted in _COLUMNS:
         count = n_completion if counted == "nc" else n_prompt

@@ -95,6 +95,20 @@ def test_arrays_of_other_dtypes_are_converted_like_the_protobuf_path() -> None:
             np.testing.assert_array_equal(getattr(got, name), getattr(want, name), strict=True)
 
 
+def test_arrays_that_do_not_fit_the_wire_are_refused_not_cut() -> None:
+    group = make_group(g=2)
+    group.trajectories[0].completion_token_ids = group.trajectories[0].completion_token_ids.astype(np.float64)
+    with pytest.raises(InvalidTrajectory, match="completion_token_ids does not fit"):
+        encode_columnar(group)
+    group = make_group(g=2)
+    group.trajectories[1].behavior_logprobs = np.zeros((16, 1), np.float32)
+    with pytest.raises(InvalidTrajectory, match=r"behavior_logprobs does not fit .*one dimension"):
+        encode_columnar(group)
+    group = make_group(g=2)
+    group.trajectories[1].loss_mask = [1] * 16  # a plain list is converted
+    assert decode_columnar(encode_columnar(group)[0])[0].trajectories[1].loss_mask.tolist() == [1] * 16
+
+
 def _break(kind: str, t: TrajectoryData) -> None:
     if kind == "negative token":
         t.completion_token_ids = t.completion_token_ids.copy()
