@@ -5,7 +5,7 @@
 For groups of G=8 completions of 1K, 4K and 16K tokens (int32 ids, float32 log-probs, int32 versions,
 uint8 masks, the sampling temperature and timestamps — what a rollout server writes, built by its own
 ``rollout_server.trajectories.build_trajectory``), it times put → read → ack through ``buffer`` (including
-protobuf encode and decode) and then XADD / XREADGROUP / XACK of the already-encoded bytes with plain
+the columnar encode and decode) and then XADD / XREADGROUP / XACK of the already-encoded bytes with plain
 redis-py, in the same pattern: a learner batch of 8 groups is put one by one, read in one call and
 acknowledged in one call. It prints groups/s, MB/s, the ratio buffer/raw (goal ≥ 0.8), the
 serialization cost per group and the ``codec ceiling``: raw's time per group over raw's time plus one

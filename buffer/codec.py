@@ -6,8 +6,10 @@ stale group is dropped without fetching or parsing its payload), ``n`` (payload 
 is kept without reading the payload back), ``c`` (the codec) and ``k`` (the nonce of the payload key,
 :meth:`buffer.keys.RedisKeys.payload`). The payload lives in that key, not in the entry, so the insert
 script never carries it (see :mod:`buffer.scripts`); an entry written by hand may still carry it inline
-as ``d``, and is read the same way. The payload is the protobuf ``TrajectoryGroup`` (built by
-:mod:`buffer.wire`, which avoids copies), zlib-compressed only when asked and above a size threshold:
+as ``d``, and is read the same way. The payload is the columnar group of :mod:`buffer.columnar` (codec
+``col``: a JSON header and the group's per-token arrays concatenated, decoded into numpy views without
+Python work per token); entries written before it carry the protobuf ``TrajectoryGroup`` (codec ``pb``,
+:mod:`buffer.wire`) and are still read. Either is zlib-compressed only when asked and above a size threshold:
 per-token arrays of random log-probs barely compress, and compression costs far more CPU than Redis
 spends storing the bytes, so it pays only on slow links. Nothing here is ever pickled; a payload that is
 not a valid group raises :class:`InvalidTrajectory`.
@@ -19,11 +21,20 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from buffer.wire import decode_group_checked, encode_group_checked
+from buffer.columnar import decode_columnar, encode_columnar
+from buffer.wire import decode_group_checked
 from tether.trajectory import GroupData, InvalidTrajectory
 
-CODEC_PROTOBUF = b"pb"
+CODEC_COLUMNAR = b"col"
+CODEC_COLUMNAR_ZLIB = b"colz"
+CODEC_PROTOBUF = b"pb"  # read only: entries written before the columnar codec
 CODEC_PROTOBUF_ZLIB = b"pbz"
+_DECODERS = {
+    CODEC_COLUMNAR: (decode_columnar, False),
+    CODEC_COLUMNAR_ZLIB: (decode_columnar, True),
+    CODEC_PROTOBUF: (decode_group_checked, False),
+    CODEC_PROTOBUF_ZLIB: (decode_group_checked, True),
+}
 
 # A decompressed group larger than protobuf's own message limit cannot be valid: stop there rather
 # than let a hostile or corrupt payload inflate without bound (a "zip bomb").
@@ -46,13 +57,13 @@ def encode_group_payload(
     group: GroupData, *, compression: str = "none", compress_min_bytes: int = 0, level: int = 1
 ) -> Encoded:
     """The payload of one group plus its header values, from one validating pass over the group."""
-    data, oldest, tokens = encode_group_checked(group)
+    data, oldest, tokens = encode_columnar(group)
     if compression == "zlib" and len(data) >= compress_min_bytes:
         packed = zlib.compress(data, level)
         # Keep the plain bytes when compression does not shrink them (random log-probs, tiny groups).
         if len(packed) < len(data):
-            return Encoded(CODEC_PROTOBUF_ZLIB, packed, oldest, tokens)
-    return Encoded(CODEC_PROTOBUF, data, oldest, tokens)
+            return Encoded(CODEC_COLUMNAR_ZLIB, packed, oldest, tokens)
+    return Encoded(CODEC_COLUMNAR, data, oldest, tokens)
 
 
 def encode_payload(
@@ -78,11 +89,12 @@ def _inflate(payload: bytes) -> bytes:
 
 def decode_group_payload(codec: bytes, payload: bytes) -> tuple[GroupData, int]:
     """``(group, oldest policy version)`` from one validating pass; :class:`InvalidTrajectory` otherwise."""
-    if codec == CODEC_PROTOBUF_ZLIB:
-        payload = _inflate(payload)
-    elif codec != CODEC_PROTOBUF:
-        raise InvalidTrajectory(f"unknown payload codec {codec[:32]!r} (expected {CODEC_PROTOBUF!r} or zlib)")
-    return decode_group_checked(payload)
+    try:
+        decode, compressed = _DECODERS[codec]
+    except (KeyError, TypeError):
+        known = ", ".join(repr(c) for c in _DECODERS)
+        raise InvalidTrajectory(f"unknown payload codec {bytes(codec[:32])!r} (this reader knows {known})") from None
+    return decode(_inflate(payload) if compressed else payload)
 
 
 def decode_payload(codec: bytes, payload: bytes) -> GroupData:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pickle
 import time
 
+import numpy as np
 import pytest
 import redis
 
@@ -21,6 +22,8 @@ from buffer import (
     publish_version,
     read_version,
 )
+from buffer.columnar import encode_columnar
+from buffer.wire import encode_group_fast
 from tests.unit.test_buffer_codec import make_group
 from tether.config.buffer import BufferConfig
 from tether.v1.trajectory_pb2 import Prompt
@@ -114,6 +117,28 @@ def test_corrupt_entries_are_dead_lettered_while_others_flow(client: redis.Redis
     s = buffer_stats(client, KEYS)
     assert (s["buffer/dead_letter"], s["buffer/acknowledged"], s["buffer/depth"]) == (3, 2, 0)
     assert s["buffer/bytes"] == 0
+
+
+def test_older_and_newer_payload_formats(client: redis.Redis) -> None:
+    """A protobuf entry written before the columnar codec is still delivered; a columnar payload of a version
+    this reader does not know is dead-lettered saying so, and the entries around it flow."""
+    c = cfg()
+    writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
+    old = encode_group_fast(make_group(seed=5))
+    client.set(KEYS.payload("old-1"), old)
+    client.xadd(KEYS.trajectories, {"g": "group-5", "v": "1", "c": "pb", "n": len(old), "k": "old-1"})
+    newer = bytes(encode_columnar(make_group(seed=6))[0])
+    newer = newer[:3] + b"\x02" + newer[4:]
+    client.xadd(KEYS.trajectories, {"g": "group-6", "v": "1", "c": "col", "n": len(newer), "d": newer})
+    writer.put(make_group(seed=7))
+    got = reader.read(3, current_version=2, max_staleness=1, block_ms=300)
+    assert [b.group.group_id for b in got] == ["group-5", "group-7"]
+    np.testing.assert_array_equal(got[0].group.trajectories[2].behavior_logprobs,
+                                  make_group(seed=5).trajectories[2].behavior_logprobs)  # fmt: skip
+    reader.ack([b.entry_id for b in got])
+    ((_, dead),) = client.xrange(KEYS.dead_letter)
+    assert b"columnar payload version 2; this reader knows version 1" in dead[b"reason"]
+    assert client.keys(KEYS.payload("*")) == []  # the old entry's payload key went with its ack
 
 
 def test_entries_delivered_too_often_are_dead_lettered(client: redis.Redis) -> None:

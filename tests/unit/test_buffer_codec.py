@@ -9,12 +9,15 @@ import numpy as np
 import pytest
 
 from buffer.codec import (
+    CODEC_COLUMNAR,
+    CODEC_COLUMNAR_ZLIB,
     CODEC_PROTOBUF,
     CODEC_PROTOBUF_ZLIB,
     decode_payload,
     encode_payload,
     read_header,
 )
+from buffer.columnar import encode_columnar
 from buffer.wire import decode_group_fast, encode_group_fast
 from tether.trajectory import (
     GroupData,
@@ -165,7 +168,7 @@ def test_fast_decoder_hands_out_views_not_copies() -> None:
 # -- payloads ---------------------------------------------------------------------------------------------
 def test_small_payloads_stay_uncompressed() -> None:
     codec, payload = encode_payload(make_group(), compression="zlib", compress_min_bytes=1 << 20)
-    assert codec == CODEC_PROTOBUF
+    assert codec == CODEC_COLUMNAR
     assert decode_payload(codec, payload).group_id == "group-0"
 
 
@@ -175,7 +178,7 @@ def test_large_compressible_payloads_are_zlib_and_round_trip() -> None:
         t.completion_token_ids = np.zeros(4096, dtype=np.int32)
         t.behavior_logprobs = np.zeros(4096, dtype=np.float32)
     codec, payload = encode_payload(group, compression="zlib", compress_min_bytes=1024)
-    assert codec == CODEC_PROTOBUF_ZLIB
+    assert codec == CODEC_COLUMNAR_ZLIB
     assert len(payload) < len(encode_group(group)) // 4
     back = decode_payload(codec, payload)
     np.testing.assert_array_equal(back.trajectories[2].policy_versions, group.trajectories[2].policy_versions)
@@ -184,10 +187,10 @@ def test_large_compressible_payloads_are_zlib_and_round_trip() -> None:
 def test_compression_never_grows_a_payload() -> None:
     for tokens in (1, 8, 64):
         group = make_group(tokens=tokens, g=1, seed=tokens)
-        plain = encode_group_fast(group)
+        plain = encode_columnar(group)[0]
         codec, payload = encode_payload(group, compression="zlib", compress_min_bytes=0)
         assert len(payload) <= len(plain)
-        assert codec == (CODEC_PROTOBUF_ZLIB if len(zlib.compress(plain, 1)) < len(plain) else CODEC_PROTOBUF)
+        assert codec == (CODEC_COLUMNAR_ZLIB if len(zlib.compress(plain, 1)) < len(plain) else CODEC_COLUMNAR)
 
 
 @pytest.mark.parametrize(
@@ -197,6 +200,8 @@ def test_compression_never_grows_a_payload() -> None:
         (CODEC_PROTOBUF, pickle.dumps({"group_id": "x", "trajectories": []}), None),
         (CODEC_PROTOBUF_ZLIB, b"not zlib at all", "does not decompress"),
         (CODEC_PROTOBUF_ZLIB, zlib.compress(b"x" * 1000)[:-6], "truncated"),
+        (CODEC_COLUMNAR, b"\xff\xfe garbage \x00\x01", "not a columnar trajectory group"),
+        (CODEC_COLUMNAR_ZLIB, zlib.compress(b"TGC"), "shorter than"),
         (b"pickle", b"\x80\x04", "unknown payload codec"),
     ],
 )
