@@ -6,8 +6,8 @@ token has no logits), without completion tokens, or with an unreadable sampling 
 masked trajectory still counts in its group's baseline but has nothing to train on. Advantages are
 computed per group over the surviving rewards (GRPO / Dr.GRPO); a group left with one sample has no
 baseline (advantage 0) and is counted as ``single_sample_groups``; a group whose rewards are all equal
-has advantage 0 too and is counted as ``zero_std_groups`` (a policy that collapsed onto one answer per
-prompt shows as this count rising towards every group). The trainer then runs the configured
+has advantage 0 too and is counted as ``zero_std_groups`` (TRL's ``frac_reward_zero_std``; it rises as a
+run converges, or collapses onto one answer per prompt under a 0/1 reward). The trainer then runs the configured
 estimator over the samples (:func:`learner.advantages.assign_advantages`; for GRPO the same numbers).
 
 Each sample carries the temperature its tokens were sampled at (trajectory metadata
