@@ -5,7 +5,9 @@ tokens, never scored), with a non-finite reward or behaviour log-prob, without p
 token has no logits), without completion tokens, or with an unreadable sampling temperature; a fully
 masked trajectory still counts in its group's baseline but has nothing to train on. Advantages are
 computed per group over the surviving rewards (GRPO / Dr.GRPO); a group left with one sample has no
-baseline (advantage 0) and is counted as ``single_sample_groups``. The trainer then runs the configured
+baseline (advantage 0) and is counted as ``single_sample_groups``; a group whose rewards are all equal
+has advantage 0 too and is counted as ``zero_std_groups`` (TRL's ``frac_reward_zero_std``; it rises as a
+run converges, or collapses onto one answer per prompt under a 0/1 reward). The trainer then runs the configured
 estimator over the samples (:func:`learner.advantages.assign_advantages`; for GRPO the same numbers).
 
 Each sample carries the temperature its tokens were sampled at (trajectory metadata
@@ -49,7 +51,17 @@ from tether.v1.trajectory_pb2 import FINISH_REASON_ABORTED
 log = get_logger(__name__)
 
 # Counts ``build_samples`` returns that are not skipped trajectories: trained on, but with no signal.
-NOT_SKIPPED = ("single_sample_groups",)
+NOT_SKIPPED = ("single_sample_groups", "zero_std_groups")
+
+
+def zero_std_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> int:
+    """Groups of two or more samples whose rewards are all equal (rewards, group_ids: [S]): their
+    advantages are all 0, so they add nothing to the gradient (DAPO's dynamic sampling drops them)."""
+    n = int(group_ids.max()) + 1
+    lo = torch.full((n,), math.inf, dtype=rewards.dtype).scatter_reduce(0, group_ids, rewards, "amin")
+    hi = torch.full((n,), -math.inf, dtype=rewards.dtype).scatter_reduce(0, group_ids, rewards, "amax")
+    size = torch.zeros(n, dtype=torch.int64).index_add_(0, group_ids, torch.ones_like(group_ids))
+    return int(((lo == hi) & (size > 1)).sum())
 
 
 def sample_temperature(t: TrajectoryData, default: float) -> float | None:
@@ -73,7 +85,8 @@ def build_samples(
     default_temperature: float = 1.0,
 ) -> tuple[list[Sample], Counter[str]]:
     """Samples (one per usable trajectory) with advantages, and counts of what was skipped and why
-    (plus ``single_sample_groups``: groups left with one sample, whose advantage is 0)."""
+    (plus ``single_sample_groups``: groups left with one sample, and ``zero_std_groups``: groups whose
+    rewards are all equal — both with advantage 0)."""
     skipped: Counter[str] = Counter()
     kept: list[tuple[int, object, float]] = []
     for gi, g in enumerate(groups):
@@ -107,6 +120,8 @@ def build_samples(
     adv = group_advantages(rewards, dense, norm_by_std=norm_by_std)
     if int((sizes == 1).sum()):
         skipped["single_sample_groups"] = int((sizes == 1).sum())
+    if n_flat := zero_std_groups(rewards, dense):
+        skipped["zero_std_groups"] = n_flat
     samples = []
     for (gi, t, temperature), a in zip(kept, adv.tolist(), strict=True):
         if not t.loss_mask.any():

@@ -56,6 +56,27 @@ def test_groups_left_with_one_sample_are_counted() -> None:
     assert [s.advantage for s in samples if s.group != 1] == [0.0, 0.0]
 
 
+def test_groups_with_all_equal_rewards_are_counted_against_a_loop() -> None:
+    # A collapsed policy gives every sample of a prompt the same reward: no advantage, no gradient.
+    rng = np.random.default_rng(5)
+    groups = make_groups(12, 4, vocab=50, seed=5)
+    for g in groups:
+        if rng.random() < 0.5:
+            for t in g.trajectories:
+                t.reward = 0.25
+    groups[0].trajectories[0].reward = math.nan  # the survivors still agree (or not) among themselves
+    groups[1] = type(groups[1])("solo", groups[1].trajectories[:1])  # one sample: counted apart
+    samples, skipped = build_samples(groups, current_version=0, norm_by_std=True)
+    want = 0
+    for g in groups:
+        rewards = [t.reward for t in g.trajectories if math.isfinite(t.reward)]
+        want += len(rewards) > 1 and max(rewards) == min(rewards)
+    assert 0 < want < len(groups) - 1
+    assert skipped["zero_std_groups"] == want and skipped["single_sample_groups"] == 1
+    flat = [g for g in {s.group for s in samples} if len({s.reward for s in samples if s.group == g}) == 1]
+    assert all(s.advantage == 0.0 for s in samples if s.group in flat)
+
+
 def test_each_sample_carries_the_temperature_it_was_sampled_at() -> None:
     from tether.trajectory import TEMPERATURE_KEY
 
