@@ -182,7 +182,7 @@ class BufferPool:
     touch, which made packing run at ~1 GB/s instead of memcpy speed (~6 GB/s, measured on the 2-core
     CI box) — slower than the wire it feeds. Every slot has the capacity of the largest bucket of the
     layout, so any bucket fits any slot (a bucket is the prefix ``slot[:num_bytes]``). The pool only
-    grows when every slot is busy; the sender keeps at most ``depth`` buckets on the wire plus one open
+    grows when every slot is busy; the sender keeps at most two buckets' worth on the wire plus one open
     bucket per dtype, which bounds it at a few buckets, never the whole model.
     """
 

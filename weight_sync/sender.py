@@ -2,12 +2,18 @@
 
 ``WeightSender.publish(version)`` is called on every learner rank because gathering a full tensor from
 FSDP2 shards (``DTensor.full_tensor()``) is a collective of the learner's own group. Tensors are gathered
-one parameter at a time in a fixed order, so at most one bucket per dtype (plus the ``depth`` buckets in
-flight) is ever materialised on rank 0 — never the whole model. Rank 0 alone talks to rollout servers:
+one parameter at a time in a fixed order, so at most one bucket per dtype (plus two buckets' worth of
+bytes in flight) is ever materialised on rank 0 — never the whole model. Rank 0 alone talks to rollout
+servers:
 
-    prepare (gRPC, all servers at once, deadline) → begin (group ready?) → gather + pack + send each full
-    bucket while the next is packed (async broadcast handles) and write snapshot shards → finish (wait
-    the handles) → commit (gRPC, deadline) → report
+    prepare (gRPC, all servers at once, deadline) → begin (group ready?) → gather + send each segment as
+    soon as it is complete (async broadcast handles) and write snapshot shards → finish (wait the
+    handles) → commit (gRPC, deadline) → report
+
+A bucket travels as segments (``buckets.plan_segments``): a tensor of at least ``direct_tensor_mb`` is
+broadcast as gathered, straight from its own memory into its place in the receivers' bucket, so the
+learner never copies it; runs of smaller tensors are packed into a pool slot and sent from there. A
+snapshot due on this update needs whole buckets, so then every tensor is packed (and sent from the slot).
 
 A server that errs or misses a deadline is dropped from this update and the learner carries on; it
 catches up from the snapshot (``WeightReceiver.catch_up`` / its commit fallback) or at the next update.
