@@ -1,9 +1,10 @@
 """Weight-sync bandwidth against the wire's own speed and against the peers' pattern, in the same run.
 
-    python bench/weight_sync.py [--quick] [--repeats N]
+    python bench/weight_sync.py [--quick] [--repeats N] [--direct-tensor-mb MB]
 
-A full tether update (prepare over gRPC → gather + pack → bucketed gloo broadcast → commit: load into a
-live transformers model) of a ~100M-parameter Qwen2-style model with random weights (``--quick``: the
+A full tether update (prepare over gRPC → gather → gloo broadcast of each bucket's segments: tensors of
+at least ``direct_tensor_mb`` straight from the parameters, the rest packed → commit: load into a live
+transformers model by adoption) of a ~100M-parameter Qwen2-style model with random weights (``--quick``: the
 tiny test model) to 1 and 2 standalone receiver processes, against two baselines sent from the same
 process to the same number of plain receiver processes:
 
@@ -157,14 +158,17 @@ class Baselines:
 class Tether:
     """A ``WeightSender`` with ``receivers`` standalone receiver processes; times one full update."""
 
-    def __init__(self, model, model_dir: Path, workdir: Path, receivers: int) -> None:
+    def __init__(
+        self, model, model_dir: Path, workdir: Path, receivers: int, *, direct_tensor_mb: float | None = None
+    ) -> None:
         import yaml
 
         from tether.config.loader import load_config
         from weight_sync.sender import WeightSender
         from weight_sync.standalone import ReceiverProcess
 
-        config = workdir / f"bench-{receivers}.yaml"
+        direct = {} if direct_tensor_mb is None else {"direct_tensor_mb": direct_tensor_mb}
+        config = workdir / f"bench-{receivers}-{direct_tensor_mb}.yaml"
         config.write_text(
             yaml.safe_dump(
                 {
@@ -176,6 +180,7 @@ class Tether:
                         "prepare_timeout_s": 60,
                         "transfer_timeout_s": 300,
                         "commit_timeout_s": 300,
+                        **direct,
                     },
                 }
             )
@@ -202,9 +207,11 @@ class Tether:
             p.stop()
 
 
-def measure(model, model_dir: Path, workdir: Path, receivers: int, repeats: int) -> list[dict[str, float]]:
+def measure(
+    model, model_dir: Path, workdir: Path, receivers: int, repeats: int, direct_tensor_mb: float | None = None
+) -> list[dict[str, float]]:
     """Round 0 (warm-up) then ``repeats`` rounds; each round times tether, raw and per-param, order rotating."""
-    tether = Tether(model, model_dir, workdir, receivers)
+    tether = Tether(model, model_dir, workdir, receivers, direct_tensor_mb=direct_tensor_mb)
     try:
         baselines = Baselines(model, model_dir, receivers)
     except BaseException:
@@ -235,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model (a smoke run)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds after the warm-up (default 5; >= 3)")
+    parser.add_argument(
+        "--direct-tensor-mb",
+        type=float,
+        default=None,
+        help="weight_sync.direct_tensor_mb for tether's side (default: the config default; 0: whole buckets)",
+    )
     parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--init", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -266,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             f" {'prepare s':>10} {'commit s':>9} {'first tether s':>15} {'first raw s':>12} {'group build s':>14}"
         )
         for receivers in (1, 2):
-            first, *rounds = measure(model, model_dir, workdir, receivers, args.repeats)
+            first, *rounds = measure(model, model_dir, workdir, receivers, args.repeats, args.direct_tensor_mb)
             med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
             print(
                 f"{receivers:>3} {mb / med['tether']:>12.1f} {mb / med['transfer']:>14.1f} {mb / med['raw']:>9.1f}"

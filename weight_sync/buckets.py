@@ -111,6 +111,66 @@ def bucket_ready_order(layout: Layout) -> list[int]:
     return [last.get(b, -1) for b in range(len(layout.buckets))]
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One broadcast of an update: bytes ``[start, end)`` of ``bucket``, holding tensors ``members``
+    (indices into ``Layout.tensors``); ``direct``: one tensor, sent straight from where it was gathered."""
+
+    bucket: int
+    start: int
+    end: int
+    members: tuple[int, ...]
+    direct: bool
+
+    @property
+    def num_bytes(self) -> int:
+        return self.end - self.start
+
+
+def plan_segments(layout: Layout, *, min_bytes: int) -> list[Segment]:
+    """Cut each bucket into the broadcasts that carry it, in the order sender and receivers issue them.
+
+    A tensor of at least ``min_bytes`` is a segment of its own, so the learner broadcasts the gathered
+    tensor itself (no copy into a bucket) and the receiver receives it into its place in the bucket
+    (which the receiver then adopts as the parameter); a run of consecutive smaller tensors of one bucket
+    is one segment, packed as before. ``min_bytes`` 0 makes every bucket one segment (whole-bucket
+    broadcasts). Segments are ordered by their last tensor's place in the gather order, which is when
+    the sender can send them; both sides compute the same list from the plan.
+    """
+    segments: list[tuple[int, Segment]] = []
+    for bucket, members in enumerate(_member_indices(layout)):
+        run: list[int] = []
+        for i in members:
+            if min_bytes > 0 and tensor_bytes(layout.tensors[i]) >= min_bytes:
+                if run:
+                    segments.append(_segment(layout, bucket, run, direct=False))
+                    run = []
+                segments.append(_segment(layout, bucket, [i], direct=True))
+            else:
+                run.append(i)
+        if run:
+            segments.append(_segment(layout, bucket, run, direct=False))
+    return [segment for _, segment in sorted(segments, key=lambda pair: pair[0])]
+
+
+def _member_indices(layout: Layout) -> list[list[int]]:
+    members: list[list[int]] = [[] for _ in layout.buckets]
+    for i, meta in enumerate(layout.tensors):
+        members[meta.bucket].append(i)
+    return members
+
+
+def tensor_bytes(meta: control_pb2.TensorMeta) -> int:
+    """Bytes of the tensor ``meta`` describes."""
+    return _nbytes(meta.shape, dtype_from_name(meta.dtype))
+
+
+def _segment(layout: Layout, bucket: int, members: list[int], *, direct: bool) -> tuple[int, Segment]:
+    first, last = layout.tensors[members[0]], layout.tensors[members[-1]]
+    end = last.offset_bytes + tensor_bytes(last)
+    return members[-1], Segment(bucket, first.offset_bytes, end, tuple(members), direct)
+
+
 def empty_bucket(bucket: control_pb2.Bucket, device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.empty(int(bucket.num_bytes), dtype=torch.uint8, device=device)
 
@@ -122,7 +182,7 @@ class BufferPool:
     touch, which made packing run at ~1 GB/s instead of memcpy speed (~6 GB/s, measured on the 2-core
     CI box) — slower than the wire it feeds. Every slot has the capacity of the largest bucket of the
     layout, so any bucket fits any slot (a bucket is the prefix ``slot[:num_bytes]``). The pool only
-    grows when every slot is busy; the sender keeps at most ``depth`` buckets on the wire plus one open
+    grows when every slot is busy; the sender keeps at most two buckets' worth on the wire plus one open
     bucket per dtype, which bounds it at a few buckets, never the whole model.
     """
 
@@ -155,11 +215,20 @@ def view(flat: torch.Tensor, meta: control_pb2.TensorMeta) -> torch.Tensor:
 
 def pack_into(flat: torch.Tensor, meta: control_pb2.TensorMeta, tensor: torch.Tensor) -> None:
     target = view(flat, meta)
-    if tuple(tensor.shape) != tuple(target.shape) or tensor.dtype != target.dtype:
-        raise ValueError(
-            f"{meta.name}: tensor is {tuple(tensor.shape)} {tensor.dtype}, plan says {tuple(target.shape)} {meta.dtype}"
-        )
+    _check(meta, tensor)
     target.copy_(tensor)
+
+
+def as_bytes(meta: control_pb2.TensorMeta, tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``tensor``'s own memory as the flat ``uint8`` bytes its segment carries (no copy)."""
+    _check(meta, tensor)
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _check(meta: control_pb2.TensorMeta, tensor: torch.Tensor) -> None:
+    shape = tuple(int(s) for s in meta.shape)
+    if tuple(tensor.shape) != shape or dtype_name(tensor.dtype) != meta.dtype:
+        raise ValueError(f"{meta.name}: tensor is {tuple(tensor.shape)} {tensor.dtype}, plan says {shape} {meta.dtype}")
 
 
 def unpack(flat: torch.Tensor, members: Iterable[control_pb2.TensorMeta]) -> list[tuple[str, torch.Tensor]]:

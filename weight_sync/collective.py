@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tether.logs import get_logger
-from weight_sync.buckets import empty_bucket
+from weight_sync.buckets import Layout, empty_bucket, plan_segments
 
 log = get_logger(__name__)
 
@@ -171,8 +171,12 @@ class CollectiveReceive:
                 self._pg, self._epoch = None, None
                 raise
             try:
-                for flat in flats:
-                    broadcast(self._pg, flat, src=src.src_rank).wait()
+                # Every segment's receive is posted up front (each into its byte range of a bucket), so the
+                # sender never waits for a receiver to ask for the next one; they complete in order.
+                segments = plan_segments(Layout.from_plan(plan), min_bytes=src.segment_min_bytes)
+                works = [broadcast(self._pg, flats[s.bucket][s.start : s.end], src=src.src_rank) for s in segments]
+                for work in works:
+                    work.wait()
                 return flats
             except Exception:
                 # A broken group is useless for the next update; the sender bumps the epoch anyway.

@@ -23,7 +23,7 @@ from pathlib import Path
 from tether.config import TetherConfig
 from tether.logs import get_logger
 from tether.v1 import control_pb2
-from weight_sync.buckets import dtype_from_name
+from weight_sync.buckets import dtype_from_name, tensor_bytes
 from weight_sync.snapshot import latest_snapshot, snapshot_root
 from weight_sync.targets import make_target
 
@@ -177,5 +177,11 @@ def _validate(plan: control_pb2.WeightUpdatePlan) -> None:
         dtype_from_name(meta.dtype)
         if meta.bucket >= len(plan.buckets):
             raise ValueError(f"WeightUpdatePlan.tensors[{meta.name}].bucket {meta.bucket} has no bucket")
+        end = meta.offset_bytes + tensor_bytes(meta)
+        if end > plan.buckets[meta.bucket].num_bytes:
+            raise ValueError(
+                f"WeightUpdatePlan.tensors[{meta.name}] ends at byte {end}, past its bucket "
+                f"({plan.buckets[meta.bucket].num_bytes} bytes)"
+            )
     if plan.HasField("collective") and not 0 < plan.collective.rank < plan.collective.world_size:
         raise ValueError("WeightUpdatePlan.collective.rank must be in 1..world_size-1")

@@ -2,12 +2,18 @@
 
 ``WeightSender.publish(version)`` is called on every learner rank because gathering a full tensor from
 FSDP2 shards (``DTensor.full_tensor()``) is a collective of the learner's own group. Tensors are gathered
-one parameter at a time in a fixed order, so at most one bucket per dtype (plus the ``depth`` buckets in
-flight) is ever materialised on rank 0 — never the whole model. Rank 0 alone talks to rollout servers:
+one parameter at a time in a fixed order, so at most one bucket per dtype (plus two buckets' worth of
+bytes in flight) is ever materialised on rank 0 — never the whole model. Rank 0 alone talks to rollout
+servers:
 
-    prepare (gRPC, all servers at once, deadline) → begin (group ready?) → gather + pack + send each full
-    bucket while the next is packed (async broadcast handles) and write snapshot shards → finish (wait
-    the handles) → commit (gRPC, deadline) → report
+    prepare (gRPC, all servers at once, deadline) → begin (group ready?) → gather + send each segment as
+    soon as it is complete (async broadcast handles) and write snapshot shards → finish (wait the
+    handles) → commit (gRPC, deadline) → report
+
+A bucket travels as segments (``buckets.plan_segments``): a tensor of at least ``direct_tensor_mb`` is
+broadcast as gathered, straight from its own memory into its place in the receivers' bucket, so the
+learner never copies it; runs of smaller tensors are packed into a pool slot and sent from there. A
+snapshot due on this update needs whole buckets, so then every tensor is packed (and sent from the slot).
 
 A server that errs or misses a deadline is dropped from this update and the learner carries on; it
 catches up from the snapshot (``WeightReceiver.catch_up`` / its commit fallback) or at the next update.
@@ -42,7 +48,16 @@ from torch.distributed.tensor import DTensor
 from tether.config import TetherConfig
 from tether.logs import get_logger
 from tether.v1 import control_pb2
-from weight_sync.buckets import BufferPool, bucket_ready_order, checksum, pack_into, plan_layout
+from weight_sync.buckets import (
+    BufferPool,
+    Segment,
+    as_bytes,
+    bucket_ready_order,
+    checksum,
+    pack_into,
+    plan_layout,
+    plan_segments,
+)
 from weight_sync.handshake import ControlClients, abort_all
 from weight_sync.snapshot import SnapshotWriter, snapshot_root
 from weight_sync.transport import make_sender_transport
@@ -95,6 +110,9 @@ class WeightSender:
             # The layout is fixed for the sender's life, so its bucket buffers are too (see BufferPool).
             capacity = max((b.num_bytes for b in self.layout.buckets), default=0)
             self.pool = BufferPool(capacity, self.transport.device)
+            self.transport.inflight_bytes = 2 * capacity  # one bucket's worth on the wire while the next fills
+            self.segments = plan_segments(self.layout, min_bytes=self.transport.segment_min_bytes)
+            self._segment_of = {i: segment for segment in self.segments for i in segment.members}
             # One token for both sides: the servers require rollout.auth_token, else TETHER_AUTH_TOKEN,
             # so the learner resolves it with the servers' own function rather than a second setting.
             from tether.auth import auth_token
@@ -133,7 +151,7 @@ class WeightSender:
         start = time.perf_counter()
         if self.rank != 0:
             if self._agree(False):
-                self._gather(on_full=None)
+                self._gather(None)
             return {}
         servers = self._live_servers()
         self.clients.forget(servers)
@@ -145,9 +163,9 @@ class WeightSender:
         if snapshot_due and self.snapshot_root is None:
             raise ValueError("weight_sync: a snapshot is due but run.run_id is empty (no run folder to write it to)")
         if background:
-            staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+            staged: list[torch.Tensor] = []
             if self._agree(bool(servers) or snapshot_due):
-                self._gather(on_full=lambda slot, flat: staged.append((slot, flat)))
+                staged = self._stage()
                 if self.transport.device.type == "cuda":  # packed on this thread's stream; sent from another
                     torch.cuda.current_stream().synchronize()
             future = self._executor.submit(self._deliver, version, servers, snapshot_due, staged, start, on_done)
@@ -175,7 +193,7 @@ class WeightSender:
         version: int,
         servers: list[str],
         snapshot_due: bool,
-        staged: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        staged: list[torch.Tensor] | None,
         start: float,
         on_done: Callable[[dict[str, float]], None] | None = None,
     ) -> dict[str, float]:
@@ -194,31 +212,11 @@ class WeightSender:
             ready = []
         snapshot = SnapshotWriter(self.snapshot_root, version, self.layout) if snapshot_due else None
         gather_start = time.perf_counter()
-
-        def on_full(slot: torch.Tensor, flat: torch.Tensor) -> None:
-            # Leaves first: the snapshot write overlaps the broadcast. A slot given back is taken again
-            # only when the next bucket opens, so the shard below still reads this bucket.
-            if sending:
-                self.transport.send(flat, on_done=lambda: self.pool.give(slot))
-            if snapshot is not None:
-                snapshot.write_bucket(len(written), flat)
-            written.append(flat)
-            if not sending:
-                self.pool.give(slot)
-            if self.on_bucket is not None:
-                self.on_bucket(len(written) - 1, len(self.layout.buckets))
-
-        written: list[torch.Tensor] = []
         try:
-            if staged is None:
-                if self._agree(sending or snapshot is not None):
-                    self._gather(on_full=on_full)
-            elif sending or snapshot is not None:
-                for slot, flat in staged:
-                    on_full(slot, flat)
-            else:
-                for slot, _ in staged:
-                    self.pool.give(slot)
+            if staged is not None:
+                self._send_all(sending=sending, snapshot=snapshot, staged=staged)
+            elif self._agree(sending or snapshot is not None):
+                self._send_all(sending=sending, snapshot=snapshot, staged=None)
         except BaseException:
             if snapshot is not None:
                 snapshot.discard()
@@ -307,28 +305,87 @@ class WeightSender:
         return []
 
     @torch.no_grad()
-    def _gather(self, *, on_full: Callable[[torch.Tensor, torch.Tensor], None] | None) -> None:
-        """Gather parameter by parameter (every rank); rank 0 packs and hands each bucket, once full, to
-        ``on_full(slot, flat)`` (``flat`` the bucket's prefix of the pool ``slot``), which gives the slot back."""
-        open_buckets: dict[int, torch.Tensor] = {}
+    def _gather(self, on_tensor: Callable[[int, torch.Tensor], None] | None) -> None:
+        """Gather parameter by parameter (every rank); rank 0 hands each whole tensor to ``on_tensor(i, full)``."""
         checksums: dict[str, float] = {}
         for i, (name, param) in enumerate(self._params):
-            full = _full(param)  # a collective on all ranks when the parameter is sharded
-            if self.rank != 0 or on_full is None:
+            full = _full(param).detach()  # a collective on all ranks when the parameter is sharded
+            if self.rank != 0 or on_tensor is None:
                 continue
-            meta = self.layout.tensors[i]
-            slot = open_buckets.get(meta.bucket)
-            if slot is None:
-                slot = open_buckets[meta.bucket] = self.pool.take()
-            # Straight from the gathered tensor into the warm bucket: the only copy on the sender.
-            pack_into(slot[: self.layout.buckets[meta.bucket].num_bytes], meta, full.detach())
             if self.wcfg.verify_checksums:
                 checksums[name] = checksum(full)
+            on_tensor(i, full)
             del full
-            if self._last_member[meta.bucket] == i:
-                slot = open_buckets.pop(meta.bucket)
-                on_full(slot, slot[: self.layout.buckets[meta.bucket].num_bytes])
         self.last_checksums = checksums
+
+    def _stage(self) -> list[torch.Tensor]:
+        """Gather and pack the whole update into pool slots (one per bucket, in bucket order)."""
+        slots: dict[int, torch.Tensor] = {}
+        staged: list[torch.Tensor] = []
+
+        def pack(i: int, full: torch.Tensor) -> None:
+            meta = self.layout.tensors[i]
+            if meta.bucket not in slots:
+                slots[meta.bucket] = self.pool.take()
+            slot = slots[meta.bucket]
+            pack_into(slot[: self.layout.buckets[meta.bucket].num_bytes], meta, full)
+            if self._last_member[meta.bucket] == i:
+                staged.append(slots.pop(meta.bucket))
+
+        self._gather(pack)
+        return staged
+
+    def _send_all(self, *, sending: bool, snapshot: SnapshotWriter | None, staged: list[torch.Tensor] | None) -> None:
+        """Rank 0: every segment to the transport in plan order, every complete bucket to the snapshot.
+
+        A tensor of a direct segment is broadcast as gathered (no copy) unless a snapshot needs the whole
+        bucket; the rest are packed into a pool slot, sent from there segment by segment. A slot goes
+        back to the pool once its bucket is complete (snapshot shard written) and no broadcast reads it;
+        ``staged`` (a background publication) holds every bucket packed already.
+        """
+        slots = dict(enumerate(staged)) if staged is not None else {}
+        readers = dict.fromkeys(slots, 1)  # per slot: broadcasts still reading it, plus 1 until its bucket is done
+
+        def release(bucket: int) -> None:
+            readers[bucket] -= 1
+            if readers[bucket] == 0:
+                del readers[bucket]
+                self.pool.give(slots.pop(bucket))
+
+        def bucket_bytes(bucket: int) -> torch.Tensor:
+            if bucket not in slots:
+                slots[bucket], readers[bucket] = self.pool.take(), 1
+            return slots[bucket][: self.layout.buckets[bucket].num_bytes]
+
+        def on_tensor(i: int, full: torch.Tensor | None) -> None:
+            meta = self.layout.tensors[i]
+            segment: Segment = self._segment_of[i]
+            source = None
+            if full is not None:
+                if sending and segment.direct and snapshot is None and _sendable(full, self.transport.device):
+                    source = as_bytes(meta, full)
+                else:
+                    pack_into(bucket_bytes(meta.bucket), meta, full)
+            if sending and segment.members[-1] == i:
+                if source is not None:
+                    self.transport.send(source)
+                else:
+                    readers[meta.bucket] += 1
+                    chunk = bucket_bytes(meta.bucket)[segment.start : segment.end]
+                    self.transport.send(chunk, on_done=lambda b=meta.bucket: release(b))
+            if self._last_member[meta.bucket] == i:
+                if snapshot is not None:
+                    snapshot.write_bucket(meta.bucket, bucket_bytes(meta.bucket))
+                if meta.bucket in slots:
+                    release(meta.bucket)
+                if self.on_bucket is not None:
+                    self.on_bucket(meta.bucket, len(self.layout.buckets))
+
+        if staged is None:
+            self._gather(on_tensor)
+        else:
+            for i in range(len(self.layout.tensors)):
+                on_tensor(i, None)
 
     def _commit(
         self, ready: list[str], version: int, update_id: str, transfer_ok: bool, snapshot: bool, dropped: dict[str, str]
@@ -373,6 +430,11 @@ class WeightSender:
         if self.rank == 0:
             self.transport.close()
             self.clients.close()
+
+
+def _sendable(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether the transport can broadcast ``tensor``'s own memory (else it is packed into a bucket first)."""
+    return tensor.is_contiguous() and tensor.device == device
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:

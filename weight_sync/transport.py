@@ -38,6 +38,10 @@ class SenderTransport(abc.ABC):
     joins_receivers: bool = False
     """Receivers join the transfer as members of a group (a collective): the group must be formed again when
     the ready set differs from the planned one. A transport each receiver reads on its own does not care."""
+    segment_min_bytes: int = 0
+    """How buckets are cut into broadcasts (``buckets.plan_segments``); 0: whole buckets."""
+    inflight_bytes: int = 0
+    """At most this many bytes on the wire at once (the sender sets it from its layout)."""
 
     @abc.abstractmethod
     def sources(self, servers: Sequence[str], *, version: int) -> dict[str, dict]:
@@ -48,7 +52,7 @@ class SenderTransport(abc.ABC):
         return True
 
     def send(self, flat: torch.Tensor, *, on_done: Callable[[], None] | None = None) -> None:
-        """Start sending the next bucket (buckets go in index order); ``on_done`` runs once the transport
+        """Start sending the next segment (in ``plan_segments`` order); ``on_done`` runs once the transport
         no longer reads ``flat`` (at once for a transport that does not read it; never when the transfer
         failed, so a buffer that a torn-down group might still touch is never reused)."""
         if on_done is not None:
@@ -77,19 +81,18 @@ class FilesystemSender(SenderTransport):
 
 
 class CollectiveSender(SenderTransport):
-    """Rank 0 of a gloo / NCCL group with the receivers; keeps at most ``depth`` buckets in flight."""
+    """Rank 0 of a gloo / NCCL group with the receivers; keeps at most ``inflight_bytes`` on the wire
+    (but always the segment just sent, so ``send()`` never waits for the bytes it was given)."""
 
     joins_receivers = True
 
-    def __init__(self, tcfg: GlooTransport | NcclTransport, *, timeout_s: float, depth: int = 2) -> None:
-        if depth < 1:
-            raise ValueError("depth must be at least 1 (send() must not complete the bucket it was given)")
+    def __init__(self, tcfg: GlooTransport | NcclTransport, *, timeout_s: float, segment_min_bytes: int = 0) -> None:
         check_backend(tcfg.type)
         self.name = tcfg.type
         self.device = torch.device("cuda", torch.cuda.current_device()) if tcfg.type == "nccl" else torch.device("cpu")
         self.host = tcfg.master_addr
         self.timeout_s = timeout_s
-        self.depth = depth
+        self.segment_min_bytes = segment_min_bytes
         self.store = dist.TCPStore(
             tcfg.master_addr,
             tcfg.master_port,
@@ -102,7 +105,8 @@ class CollectiveSender(SenderTransport):
         self.members: tuple[str, ...] = ()
         self.pg: dist.ProcessGroup | None = None
         self.rebuild_seconds = 0.0
-        self._inflight: collections.deque[tuple[dist.Work, Callable[[], None] | None]] = collections.deque()
+        self._inflight: collections.deque[tuple[dist.Work, int, Callable[[], None] | None]] = collections.deque()
+        self._inflight_now = 0
         self._failed: Exception | None = None
 
     def sources(self, servers: Sequence[str], *, version: int) -> dict[str, dict]:
@@ -120,6 +124,7 @@ class CollectiveSender(SenderTransport):
                     rank=i + 1,
                     group_epoch=self.epoch,
                     src_rank=0,
+                    segment_min_bytes=self.segment_min_bytes,
                 )
             }
             for i, s in enumerate(self.members)
@@ -163,18 +168,22 @@ class CollectiveSender(SenderTransport):
         if self._failed is not None or self.pg is None:
             return
         try:
-            # The work handle keeps ``flat`` alive; the caller packs the next bucket while this one is
-            # on the wire (gloo and NCCL progress on their own threads / streams).
-            self._inflight.append((broadcast(self.pg, flat, src=0), on_done))
-            while len(self._inflight) > self.depth:  # bounds the memory of buffers in flight
+            # The work handle keeps ``flat`` alive; the caller gathers and packs what comes next while this
+            # is on the wire (gloo and NCCL progress on their own threads / streams).
+            nbytes = flat.numel() * flat.element_size()
+            self._inflight.append((broadcast(self.pg, flat, src=0), nbytes, on_done))
+            self._inflight_now += nbytes
+            # Bounds the memory held by buffers (and gathered tensors) in flight.
+            while len(self._inflight) > 1 and self._inflight_now > self.inflight_bytes:
                 self._wait_oldest()
         except Exception as exc:
             self._fail(exc)
 
     def _wait_oldest(self) -> None:
-        work, on_done = self._inflight[0]
+        work, nbytes, on_done = self._inflight[0]
         work.wait()
         self._inflight.popleft()
+        self._inflight_now -= nbytes
         if on_done is not None:
             on_done()
 
@@ -185,6 +194,7 @@ class CollectiveSender(SenderTransport):
         except Exception as exc:
             self._fail(exc)
         self._inflight.clear()
+        self._inflight_now = 0
         return self._failed is None
 
     def _fail(self, exc: Exception) -> None:
@@ -204,4 +214,5 @@ def make_sender_transport(cfg: WeightSyncConfig, *, snapshot_root: Path) -> Send
     transport = cfg.transport
     if isinstance(transport, FilesystemTransport):
         return FilesystemSender(snapshot_root)
-    return CollectiveSender(transport, timeout_s=cfg.transfer_timeout_s)
+    min_bytes = max(1, int(cfg.direct_tensor_mb * 2**20)) if cfg.direct_tensor_mb > 0 else 0
+    return CollectiveSender(transport, timeout_s=cfg.transfer_timeout_s, segment_min_bytes=min_bytes)

@@ -20,6 +20,7 @@ from tether.tiny_model import make_tiny_model
 from tether.v1 import control_pb2_grpc
 from weight_sync.receiver import WeightReceiver
 from weight_sync.sender import WeightSender
+from weight_sync.snapshot import latest_snapshot, read_snapshot, snapshot_root
 from weight_sync.standalone import ControlServicer, ModelEngine
 
 pytestmark = pytest.mark.timeout(120)
@@ -83,7 +84,7 @@ def fleet() -> Iterator[Fleet]:
     f.close()
 
 
-def _cfg(tmp_path: Path, *, bucket_size_mb: float = 0.25) -> TetherConfig:
+def _cfg(tmp_path: Path, *, bucket_size_mb: float = 0.25, **weight_sync: object) -> TetherConfig:
     return TetherConfig.model_validate(
         {
             "run": {"run_id": "ws", "output_dir": str(tmp_path)},
@@ -94,6 +95,7 @@ def _cfg(tmp_path: Path, *, bucket_size_mb: float = 0.25) -> TetherConfig:
                 "prepare_timeout_s": 10,
                 "transfer_timeout_s": 20,
                 "commit_timeout_s": 20,
+                **weight_sync,
             },
         }
     )
@@ -162,5 +164,61 @@ def test_a_server_joining_later_converges(tmp_path: Path, tiny_model_dir: Path, 
         for engine in fleet.engines:
             assert engine.policy_version == 2
             torch.testing.assert_close(engine.model.model.norm.weight, learner.model.norm.weight, rtol=0, atol=0)
+    finally:
+        sender.close()
+
+
+def assert_holds(engine: ModelEngine, expected: dict[str, torch.Tensor]) -> None:
+    for name, param in engine.model.named_parameters():
+        torch.testing.assert_close(param, expected[name], rtol=0, atol=0)
+
+
+def test_tensors_sent_as_gathered_arrive_bit_identical_and_a_failed_update_keeps_the_old_weights(
+    tmp_path: Path, tiny_model_dir: Path, fleet: Fleet
+) -> None:
+    # 0.03 MiB: the 128x128 projections travel straight from the learner's parameters, norms and biases
+    # packed in runs between them; no scheduled snapshot, so a failed transfer has nothing to fall back on.
+    cfg = _cfg(tmp_path, direct_tensor_mb=0.03, snapshot_every=0, transfer_timeout_s=3)
+    learner = ModelEngine.from_path(make_tiny_model(tmp_path / "learner", hidden=128, layers=2, heads=4, seed=1)).model
+    addresses = [fleet.add(tiny_model_dir, cfg) for _ in range(2)]
+    sender = WeightSender(cfg, model=learner, servers=addresses)
+    try:
+        assert {s.direct for s in sender.segments} == {True, False}
+        assert sender.publish(1)["weight_sync/reached"] == 2, sender.last_dropped
+        v1 = {n: p.detach().clone() for n, p in learner.named_parameters()}
+        for engine in fleet.engines:
+            assert_holds(engine, v1)
+            assert greedy(engine.model) == greedy(learner)
+
+        with torch.no_grad():
+            for p in learner.parameters():
+                p.add_(torch.randn_like(p))
+
+        def break_transfer(bucket: int, total: int) -> None:  # the group fails after the first bucket is on its way
+            if bucket == 0:
+                assert total > 1
+                sender.transport._fail(RuntimeError("injected: the group broke"))
+
+        sender.on_bucket = break_transfer
+        metrics = sender.publish(2)
+        sender.on_bucket = None
+        assert metrics["weight_sync/reached"] == 0 and metrics["weight_sync/dropped"] == 2
+        for engine in fleet.engines:  # all or nothing: still version 1, every byte of it, serving again
+            assert engine.policy_version == 1 and engine.paused is None
+            assert_holds(engine, v1)
+
+        # The next update rebuilds the group; a background one sends the staged buckets, one with a
+        # snapshot packs every tensor (the shard needs the whole bucket): the same bytes either way.
+        sender.publish(3, background=True)
+        assert sender.wait()["weight_sync/reached"] == 2, sender.last_dropped
+        assert sender.publish(4, snapshot=True)["weight_sync/reached"] == 2, sender.last_dropped
+        now = {n: p.detach() for n, p in learner.named_parameters()}
+        for engine in fleet.engines:
+            assert engine.policy_version == 4
+            assert_holds(engine, now)
+        version, path = latest_snapshot(snapshot_root(cfg))
+        assert version == 4
+        for name, tensor in read_snapshot(path):
+            torch.testing.assert_close(tensor, now[name], rtol=0, atol=0)
     finally:
         sender.close()

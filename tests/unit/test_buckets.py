@@ -8,10 +8,13 @@ from tether.v1 import control_pb2
 from weight_sync.buckets import (
     BufferPool,
     Layout,
+    as_bytes,
     bucket_ready_order,
     empty_bucket,
     pack_into,
     plan_layout,
+    plan_segments,
+    tensor_bytes,
     unpack,
 )
 
@@ -91,3 +94,39 @@ def test_buffer_pool_reuses_slots_it_was_given_back() -> None:
     pool.give(a)
     assert pool.take().data_ptr() == a.data_ptr()  # the warm slot, not a fresh allocation
     assert pool.allocated == 2
+
+
+def test_segments_cover_each_tensor_once_in_the_order_they_fill() -> None:
+    tensors = _tensors()
+    layout = plan_layout(((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()), bucket_size_bytes=8 << 10)
+    whole = plan_segments(layout, min_bytes=0)  # the old protocol: one broadcast per bucket, in bucket order
+    assert [(s.bucket, s.start, s.end) for s in whole] == [(b, 0, x.num_bytes) for b, x in enumerate(layout.buckets)]
+    segments = plan_segments(layout, min_bytes=1024)
+    assert sorted(i for s in segments for i in s.members) == list(range(len(layout.tensors)))
+    assert [s.members[-1] for s in segments] == sorted(s.members[-1] for s in segments)
+    for s in segments:
+        sizes = [tensor_bytes(layout.tensors[i]) for i in s.members]
+        assert {layout.tensors[i].bucket for i in s.members} == {s.bucket}
+        assert s.direct == (sizes[0] >= 1024) and (len(sizes) == 1 or not s.direct)
+        assert all(size < 1024 for size in sizes) or s.direct
+        assert s.start == layout.tensors[s.members[0]].offset_bytes and s.end <= layout.buckets[s.bucket].num_bytes
+    assert {s.direct for s in segments} == {True, False}
+
+
+def test_segmented_transfer_gives_identical_tensors() -> None:
+    # The sender's bytes per segment: a direct tensor's own memory, or the packed run; the receiver puts
+    # each segment into its byte range of the bucket and views the tensors there.
+    tensors = _tensors()
+    layout = plan_layout(((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()), bucket_size_bytes=8 << 10)
+    packed = [empty_bucket(b) for b in layout.buckets]
+    for meta in layout.tensors:
+        pack_into(packed[meta.bucket], meta, tensors[meta.name])
+    received = [torch.zeros(b.num_bytes, dtype=torch.uint8) for b in layout.buckets]
+    for s in plan_segments(layout, min_bytes=1024):
+        meta = layout.tensors[s.members[0]]
+        sent = as_bytes(meta, tensors[meta.name]) if s.direct else packed[s.bucket][s.start : s.end]
+        received[s.bucket][s.start : s.end].copy_(sent)
+    for flat, members in zip(received, layout.bucket_members(), strict=True):
+        for name, t in unpack(flat, members):
+            torch.testing.assert_close(t, tensors[name], rtol=0, atol=0)
+            assert t.dtype == tensors[name].dtype

@@ -55,6 +55,11 @@ class WeightSyncConfig(Section):
     bucket_size_mb: float = Field(default=256.0, gt=0)
     """Size of one flat transfer buffer per dtype."""
 
+    direct_tensor_mb: float = Field(default=1.0, ge=0)
+    """Collective transports: a tensor of at least this many MiB is broadcast on its own, straight from the
+    gathered tensor into its place in the receivers' bucket (no pack copy on the learner); smaller tensors
+    are packed and sent in runs. 0: pack everything (one broadcast per bucket)."""
+
     inflight: Literal["keep", "drain"] = "keep"
     """During an update, in-flight requests continue on the new weights (``keep``; tokens carry the
     version that produced them) or finish on the old ones first (``drain``)."""

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tether/v1/control.proto\x12\ttether.v1\";\n\x0cPauseRequest\x12+\n\x08inflight\x18\x01 \x01(\x0e\x32\x19.tether.v1.InflightPolicy\"B\n\rPauseResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x19\n\x11inflight_requests\x18\x02 \x01(\r\"\x0f\n\rResumeRequest\"(\n\x0eResumeResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"^\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06\x62ucket\x18\x04 \x01(\r\x12\x14\n\x0coffset_bytes\x18\x05 \x01(\x04\"*\n\x06\x42ucket\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\" \n\x10\x46ilesystemSource\x12\x0c\n\x04path\x18\x01 \x01(\t\"\x81\x01\n\x10\x43ollectiveSource\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x13\n\x0binit_method\x18\x02 \x01(\t\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x13\n\x0bgroup_epoch\x18\x05 \x01(\x04\x12\x10\n\x08src_rank\x18\x06 \x01(\r\"\x9f\x02\n\x10WeightUpdatePlan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x31\n\nfilesystem\x18\x02 \x01(\x0b\x32\x1b.tether.v1.FilesystemSourceH\x00\x12\x31\n\ncollective\x18\x03 \x01(\x0b\x32\x1b.tether.v1.CollectiveSourceH\x00\x12&\n\x07tensors\x18\x04 \x03(\x0b\x32\x15.tether.v1.TensorMeta\x12\"\n\x07\x62uckets\x18\x05 \x03(\x0b\x32\x11.tether.v1.Bucket\x12+\n\x08inflight\x18\x06 \x01(\x0e\x32\x19.tether.v1.InflightPolicy\x12\x11\n\tupdate_id\x18\x07 \x01(\tB\x08\n\x06source\"E\n\x1bPrepareWeightUpdateResponse\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x03\x12\r\n\x05ready\x18\x02 \x01(\x08\"?\n\x19\x43ommitWeightUpdateRequest\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\xdd\x01\n\x1a\x43ommitWeightUpdateResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\x12G\n\tchecksums\x18\x04 \x03(\x0b\x32\x34.tether.v1.CommitWeightUpdateResponse.ChecksumsEntry\x1a\x30\n\x0e\x43hecksumsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"=\n\x18\x41\x62ortWeightUpdateRequest\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"3\n\x19\x41\x62ortWeightUpdateResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03*f\n\x0eInflightPolicy\x12\x1f\n\x1bINFLIGHT_POLICY_UNSPECIFIED\x10\x00\x12\x18\n\x14INFLIGHT_POLICY_KEEP\x10\x01\x12\x19\n\x15INFLIGHT_POLICY_DRAIN\x10\x02\x32\xa3\x03\n\x07\x43ontrol\x12:\n\x05Pause\x12\x17.tether.v1.PauseRequest\x1a\x18.tether.v1.PauseResponse\x12=\n\x06Resume\x12\x18.tether.v1.ResumeRequest\x1a\x19.tether.v1.ResumeResponse\x12Z\n\x13PrepareWeightUpdate\x12\x1b.tether.v1.WeightUpdatePlan\x1a&.tether.v1.PrepareWeightUpdateResponse\x12\x61\n\x12\x43ommitWeightUpdate\x12$.tether.v1.CommitWeightUpdateRequest\x1a%.tether.v1.CommitWeightUpdateResponse\x12^\n\x11\x41\x62ortWeightUpdate\x12#.tether.v1.AbortWeightUpdateRequest\x1a$.tether.v1.AbortWeightUpdateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tether/v1/control.proto\x12\ttether.v1\";\n\x0cPauseRequest\x12+\n\x08inflight\x18\x01 \x01(\x0e\x32\x19.tether.v1.InflightPolicy\"B\n\rPauseResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x19\n\x11inflight_requests\x18\x02 \x01(\r\"\x0f\n\rResumeRequest\"(\n\x0eResumeResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"^\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06\x62ucket\x18\x04 \x01(\r\x12\x14\n\x0coffset_bytes\x18\x05 \x01(\x04\"*\n\x06\x42ucket\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\" \n\x10\x46ilesystemSource\x12\x0c\n\x04path\x18\x01 \x01(\t\"\x9c\x01\n\x10\x43ollectiveSource\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x13\n\x0binit_method\x18\x02 \x01(\t\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x13\n\x0bgroup_epoch\x18\x05 \x01(\x04\x12\x10\n\x08src_rank\x18\x06 \x01(\r\x12\x19\n\x11segment_min_bytes\x18\x07 \x01(\x04\"\x9f\x02\n\x10WeightUpdatePlan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x31\n\nfilesystem\x18\x02 \x01(\x0b\x32\x1b.tether.v1.FilesystemSourceH\x00\x12\x31\n\ncollective\x18\x03 \x01(\x0b\x32\x1b.tether.v1.CollectiveSourceH\x00\x12&\n\x07tensors\x18\x04 \x03(\x0b\x32\x15.tether.v1.TensorMeta\x12\"\n\x07\x62uckets\x18\x05 \x03(\x0b\x32\x11.tether.v1.Bucket\x12+\n\x08inflight\x18\x06 \x01(\x0e\x32\x19.tether.v1.InflightPolicy\x12\x11\n\tupdate_id\x18\x07 \x01(\tB\x08\n\x06source\"E\n\x1bPrepareWeightUpdateResponse\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x03\x12\r\n\x05ready\x18\x02 \x01(\x08\"?\n\x19\x43ommitWeightUpdateRequest\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\xdd\x01\n\x1a\x43ommitWeightUpdateResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\x12G\n\tchecksums\x18\x04 \x03(\x0b\x32\x34.tether.v1.CommitWeightUpdateResponse.ChecksumsEntry\x1a\x30\n\x0e\x43hecksumsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"=\n\x18\x41\x62ortWeightUpdateRequest\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"3\n\x19\x41\x62ortWeightUpdateResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03*f\n\x0eInflightPolicy\x12\x1f\n\x1bINFLIGHT_POLICY_UNSPECIFIED\x10\x00\x12\x18\n\x14INFLIGHT_POLICY_KEEP\x10\x01\x12\x19\n\x15INFLIGHT_POLICY_DRAIN\x10\x02\x32\xa3\x03\n\x07\x43ontrol\x12:\n\x05Pause\x12\x17.tether.v1.PauseRequest\x1a\x18.tether.v1.PauseResponse\x12=\n\x06Resume\x12\x18.tether.v1.ResumeRequest\x1a\x19.tether.v1.ResumeResponse\x12Z\n\x13PrepareWeightUpdate\x12\x1b.tether.v1.WeightUpdatePlan\x1a&.tether.v1.PrepareWeightUpdateResponse\x12\x61\n\x12\x43ommitWeightUpdate\x12$.tether.v1.CommitWeightUpdateRequest\x1a%.tether.v1.CommitWeightUpdateResponse\x12^\n\x11\x41\x62ortWeightUpdate\x12#.tether.v1.AbortWeightUpdateRequest\x1a$.tether.v1.AbortWeightUpdateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COMMITWEIGHTUPDATERESPONSE_CHECKSUMSENTRY']._loaded_options = None
   _globals['_COMMITWEIGHTUPDATERESPONSE_CHECKSUMSENTRY']._serialized_options = b'8\001'
-  _globals['_INFLIGHTPOLICY']._serialized_start=1298
-  _globals['_INFLIGHTPOLICY']._serialized_end=1400
+  _globals['_INFLIGHTPOLICY']._serialized_start=1325
+  _globals['_INFLIGHTPOLICY']._serialized_end=1427
   _globals['_PAUSEREQUEST']._serialized_start=38
   _globals['_PAUSEREQUEST']._serialized_end=97
   _globals['_PAUSERESPONSE']._serialized_start=99
@@ -50,21 +50,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FILESYSTEMSOURCE']._serialized_start=366
   _globals['_FILESYSTEMSOURCE']._serialized_end=398
   _globals['_COLLECTIVESOURCE']._serialized_start=401
-  _globals['_COLLECTIVESOURCE']._serialized_end=530
-  _globals['_WEIGHTUPDATEPLAN']._serialized_start=533
-  _globals['_WEIGHTUPDATEPLAN']._serialized_end=820
-  _globals['_PREPAREWEIGHTUPDATERESPONSE']._serialized_start=822
-  _globals['_PREPAREWEIGHTUPDATERESPONSE']._serialized_end=891
-  _globals['_COMMITWEIGHTUPDATEREQUEST']._serialized_start=893
-  _globals['_COMMITWEIGHTUPDATEREQUEST']._serialized_end=956
-  _globals['_COMMITWEIGHTUPDATERESPONSE']._serialized_start=959
-  _globals['_COMMITWEIGHTUPDATERESPONSE']._serialized_end=1180
-  _globals['_COMMITWEIGHTUPDATERESPONSE_CHECKSUMSENTRY']._serialized_start=1132
-  _globals['_COMMITWEIGHTUPDATERESPONSE_CHECKSUMSENTRY']._serialized_end=1180
-  _globals['_ABORTWEIGHTUPDATEREQUEST']._serialized_start=1182
-  _globals['_ABORTWEIGHTUPDATEREQUEST']._serialized_end=1243
-  _globals['_ABORTWEIGHTUPDATERESPONSE']._serialized_start=1245
-  _globals['_ABORTWEIGHTUPDATERESPONSE']._serialized_end=1296
-  _globals['_CONTROL']._serialized_start=1403
-  _globals['_CONTROL']._serialized_end=1822
+  _globals['_COLLECTIVESOURCE']._serialized_end=557
+  _globals['_WEIGHTUPDATEPLAN']._serialized_start=560
+  _globals['_WEIGHTUPDATEPLAN']._serialized_end=847
+  _globals['_PREPAREWEIGHTUPDATERESPONSE']._serialized_start=849
+  _globals['_PREPAREWEIGHTUPDATERESPONSE']._serialized_end=918
+  _globals['_COMMITWEIGHTUPDATEREQUEST']._serialized_start=920
+  _globals['_COMMITWEIGHTUPDATEREQUEST']._serialized_end=983
+  _globals['_COMMITWEIGHTUPDATERESPONSE']._serialized_start=986
+  _globals['_COMMITWEIGHTUPDATERESPONSE']._serialized_end=1207
+  _globals['_COMMITWEIGHTUPDATERESPONSE_CHECKSUMSENTRY']._serialized_start=1159
+  _globals['_COMMITWEIGHTUPDATERESPONSE_CHECKSUMSENTRY']._serialized_end=1207
+  _globals['_ABORTWEIGHTUPDATEREQUEST']._serialized_start=1209
+  _globals['_ABORTWEIGHTUPDATEREQUEST']._serialized_end=1270
+  _globals['_ABORTWEIGHTUPDATERESPONSE']._serialized_start=1272
+  _globals['_ABORTWEIGHTUPDATERESPONSE']._serialized_end=1323
+  _globals['_CONTROL']._serialized_start=1430
+  _globals['_CONTROL']._serialized_end=1849
 # @@protoc_insertion_point(module_scope)

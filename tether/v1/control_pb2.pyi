@@ -69,20 +69,22 @@ class FilesystemSource(_message.Message):
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class CollectiveSource(_message.Message):
-    __slots__ = ("backend", "init_method", "world_size", "rank", "group_epoch", "src_rank")
+    __slots__ = ("backend", "init_method", "world_size", "rank", "group_epoch", "src_rank", "segment_min_bytes")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     INIT_METHOD_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SRC_RANK_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_MIN_BYTES_FIELD_NUMBER: _ClassVar[int]
     backend: str
     init_method: str
     world_size: int
     rank: int
     group_epoch: int
     src_rank: int
-    def __init__(self, backend: _Optional[str] = ..., init_method: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., group_epoch: _Optional[int] = ..., src_rank: _Optional[int] = ...) -> None: ...
+    segment_min_bytes: int
+    def __init__(self, backend: _Optional[str] = ..., init_method: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., group_epoch: _Optional[int] = ..., src_rank: _Optional[int] = ..., segment_min_bytes: _Optional[int] = ...) -> None: ...
 
 class WeightUpdatePlan(_message.Message):
     __slots__ = ("version", "filesystem", "collective", "tensors", "buckets", "inflight", "update_id")
