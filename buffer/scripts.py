@@ -29,10 +29,12 @@ if existing then
   redis.call('HINCRBY', KEYS[3], 'duplicates', 1)
   return {0, existing}
 end
-if redis.call('EXISTS', KEYS[4]) == 0 then return {-2} end
+-- STRLEN is 0 for a missing key, and an encoded payload is never empty: one call for both questions.
 local n = redis.call('STRLEN', KEYS[4])
+if n == 0 then return {-2} end
 local depth = redis.call('XLEN', KEYS[1])
-local bytes = tonumber(redis.call('HGET', KEYS[3], 'bytes') or '0')
+local c = redis.call('HMGET', KEYS[3], 'bytes', 'produced', 'produced_bytes', 'tokens')
+local bytes = tonumber(c[1] or '0')
 -- A single group larger than the byte bound is still admitted into an empty stream; otherwise it
 -- could never be inserted at all.
 if depth >= tonumber(ARGV[1]) or (depth > 0 and bytes + n > tonumber(ARGV[2])) then
@@ -41,10 +43,12 @@ end
 redis.call('PERSIST', KEYS[4])
 local id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[5], 'v', ARGV[6], 'c', ARGV[7], 'n', n, 'k', ARGV[8])
 redis.call('SET', KEYS[2], id, 'PX', ARGV[3])
-redis.call('HINCRBY', KEYS[3], 'produced', 1)
-redis.call('HINCRBY', KEYS[3], 'bytes', n)
-redis.call('HINCRBY', KEYS[3], 'produced_bytes', n)
-redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[4])
+-- The four counters read above, written back in one call (the script is atomic, so this is the same
+-- as four HINCRBYs). '%d' keeps large totals integral: Lua would print 1e+15.
+redis.call('HSET', KEYS[3], 'bytes', string.format('%d', bytes + n),
+  'produced', string.format('%d', tonumber(c[2] or '0') + 1),
+  'produced_bytes', string.format('%d', tonumber(c[3] or '0') + n),
+  'tokens', string.format('%d', tonumber(c[4] or '0') + tonumber(ARGV[4])))
 return {1, id}
 """
 
@@ -58,7 +62,7 @@ return {1, id}
 # Only entries still pending are settled (XACK returned 1), so a repeated ack counts once.
 # Returns {counter, settled, ...}.
 SETTLE = """
-local settled, freed = {}, 0
+local settled, freed, lags, acked, pkeys = {}, 0, {}, {}, {}
 for i = 6, #ARGV, 6 do
   local id, counter, nbytes, lag = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local reason, nonce = ARGV[i + 4], ARGV[i + 5]
@@ -77,6 +81,8 @@ for i = 6, #ARGV, 6 do
       end
     end
   end
+  -- Per entry only the XACK (its reply says whether it was still pending); deletes and counters are
+  -- gathered and sent once for the batch below.
   if redis.call('XACK', KEYS[1], ARGV[1], id) == 1 then
     local pkey = nil
     if nonce ~= '' then pkey = ARGV[5] .. nonce end
@@ -91,14 +97,18 @@ for i = 6, #ARGV, 6 do
       end
       redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[2], '*', unpack(fields))
     elseif lag ~= '' then
-      redis.call('HINCRBY', KEYS[3], lag, 1)
+      lags[lag] = (lags[lag] or 0) + 1
     end
-    redis.call('XDEL', KEYS[1], id)
-    if pkey then redis.call('DEL', pkey) end
+    acked[#acked + 1] = id
+    if pkey then pkeys[#pkeys + 1] = pkey end
     settled[counter] = (settled[counter] or 0) + 1
     freed = freed + (tonumber(nbytes) or 0)
   end
 end
+-- In slices: unpack() of a very long list would overflow Lua's C stack.
+for s = 1, #acked, 1000 do redis.call('XDEL', KEYS[1], unpack(acked, s, math.min(s + 999, #acked))) end
+for s = 1, #pkeys, 1000 do redis.call('DEL', unpack(pkeys, s, math.min(s + 999, #pkeys))) end
+for lag, count in pairs(lags) do redis.call('HINCRBY', KEYS[3], lag, count) end
 local out = {}
 for counter, count in pairs(settled) do
   if counter ~= '' then redis.call('HINCRBY', KEYS[2], counter, count) end
