@@ -26,6 +26,7 @@ from buffer.columnar import encode_columnar
 from buffer.wire import encode_group_fast
 from tests.unit.test_buffer_codec import make_group
 from tether.config.buffer import BufferConfig
+from tether.trajectory import InvalidTrajectory
 from tether.v1.trajectory_pb2 import Prompt
 
 KEYS = RedisKeys("t")
@@ -81,6 +82,44 @@ def test_retried_insert_makes_exactly_one_entry(client: redis.Redis) -> None:
     assert len(client.keys(KEYS.payload("*"))) == 1  # the retries' payloads were dropped, not leaked
     s = buffer_stats(client, KEYS)
     assert (s["buffer/produced"], s["buffer/duplicates"]) == (1, 2)
+
+
+def test_counters_stay_exact_integers_when_large(client: redis.Redis) -> None:
+    # PUT writes its counters back with one HSET: totals past 1e14 must not come out as "1e+15".
+    big = 10**15 + 7
+    client.hset(KEYS.counters, mapping={"produced": big, "produced_bytes": big, "tokens": big})
+    writer = TrajectoryWriter(client, KEYS, cfg())
+    writer.put(make_group(seed=0))
+    n = int(client.xrange(KEYS.trajectories)[0][1][b"n"])
+    got = {k.decode(): v.decode() for k, v in client.hgetall(KEYS.counters).items()}
+    assert got == {"produced": str(big + 1), "produced_bytes": str(big + n), "tokens": str(big + 4 * 16),
+                   "bytes": str(n)}  # fmt: skip
+
+
+def test_empty_encoded_payload_is_refused_before_redis(client: redis.Redis) -> None:
+    writer = TrajectoryWriter(client, KEYS, cfg())
+    with pytest.raises(InvalidTrajectory, match="empty encoded payload"):
+        writer.put_encoded("g-empty", codec=b"col", payload=b"", oldest_version=1)
+    assert client.keys("*") == []
+
+
+def test_one_settle_counts_each_entry_once_whatever_the_mix(client: redis.Redis) -> None:
+    # The deletes and the histogram are sent once per batch: repeated ids in one ack, two staleness
+    # values and an unknown id must still count exactly once each.
+    c = cfg()
+    writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
+    for i, v in enumerate([5, 4, 5, 4, 5]):
+        writer.put(make_group(seed=i, version=v))
+    got = reader.read(5, current_version=6, max_staleness=4, block_ms=300)
+    assert sorted(b.staleness for b in got) == [2, 2, 2, 3, 3]
+    ids = [b.entry_id for b in got]
+    reader.ack([ids[0], ids[1], ids[0], "1-1", ids[2]])
+    assert client.xlen(KEYS.trajectories) == 2
+    reader.ack(ids + ids)
+    s = assert_balanced(client)
+    assert (s["buffer/acknowledged"], s["buffer/depth"], s["buffer/bytes"]) == (5, 0, 0)
+    assert (s["buffer/staleness/2"], s["buffer/staleness/3"]) == (3, 2)
+    assert client.keys(KEYS.payload("*")) == []
 
 
 def test_stale_groups_are_dropped_and_counted(client: redis.Redis) -> None:
