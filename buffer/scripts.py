@@ -29,12 +29,10 @@ if existing then
   redis.call('HINCRBY', KEYS[3], 'duplicates', 1)
   return {0, existing}
 end
--- STRLEN is 0 for a missing key, and an encoded payload is never empty: one call for both questions.
+if redis.call('EXISTS', KEYS[4]) == 0 then return {-2} end
 local n = redis.call('STRLEN', KEYS[4])
-if n == 0 then return {-2} end
 local depth = redis.call('XLEN', KEYS[1])
-local c = redis.call('HMGET', KEYS[3], 'bytes', 'produced', 'produced_bytes', 'tokens')
-local bytes = tonumber(c[1] or '0')
+local bytes = tonumber(redis.call('HGET', KEYS[3], 'bytes') or '0')
 -- A single group larger than the byte bound is still admitted into an empty stream; otherwise it
 -- could never be inserted at all.
 if depth >= tonumber(ARGV[1]) or (depth > 0 and bytes + n > tonumber(ARGV[2])) then
@@ -43,12 +41,10 @@ end
 redis.call('PERSIST', KEYS[4])
 local id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[5], 'v', ARGV[6], 'c', ARGV[7], 'n', n, 'k', ARGV[8])
 redis.call('SET', KEYS[2], id, 'PX', ARGV[3])
--- The four counters read above, written back in one call (the script is atomic, so this is the same
--- as four HINCRBYs). '%d' keeps large totals integral: Lua would print 1e+15.
-redis.call('HSET', KEYS[3], 'bytes', string.format('%d', bytes + n),
-  'produced', string.format('%d', tonumber(c[2] or '0') + 1),
-  'produced_bytes', string.format('%d', tonumber(c[3] or '0') + n),
-  'tokens', string.format('%d', tonumber(c[4] or '0') + tonumber(ARGV[4])))
+redis.call('HINCRBY', KEYS[3], 'produced', 1)
+redis.call('HINCRBY', KEYS[3], 'bytes', n)
+redis.call('HINCRBY', KEYS[3], 'produced_bytes', n)
+redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[4])
 return {1, id}
 """
 

@@ -99,8 +99,6 @@ class TrajectoryWriter:
         timeout_s: float | None = None,
     ) -> str | None:
         """:meth:`put` for a payload already encoded by :func:`buffer.codec.encode_payload`."""
-        if not payload:  # PUT reads an empty payload key as a missing one
-            raise InvalidTrajectory(f"group {group_id}: empty encoded payload")
         timeout = self.cfg.put_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         nonce = f"{self._nonce_prefix}-{next(self._count)}"

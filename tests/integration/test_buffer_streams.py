@@ -26,7 +26,6 @@ from buffer.columnar import encode_columnar
 from buffer.wire import encode_group_fast
 from tests.unit.test_buffer_codec import make_group
 from tether.config.buffer import BufferConfig
-from tether.trajectory import InvalidTrajectory
 from tether.v1.trajectory_pb2 import Prompt
 
 KEYS = RedisKeys("t")
@@ -84,25 +83,6 @@ def test_retried_insert_makes_exactly_one_entry(client: redis.Redis) -> None:
     assert (s["buffer/produced"], s["buffer/duplicates"]) == (1, 2)
 
 
-def test_counters_stay_exact_integers_when_large(client: redis.Redis) -> None:
-    # PUT writes its counters back with one HSET: totals past 1e14 must not come out as "1e+15".
-    big = 10**15 + 7
-    client.hset(KEYS.counters, mapping={"produced": big, "produced_bytes": big, "tokens": big})
-    writer = TrajectoryWriter(client, KEYS, cfg())
-    writer.put(make_group(seed=0))
-    n = int(client.xrange(KEYS.trajectories)[0][1][b"n"])
-    got = {k.decode(): v.decode() for k, v in client.hgetall(KEYS.counters).items()}
-    assert got == {"produced": str(big + 1), "produced_bytes": str(big + n), "tokens": str(big + 4 * 16),
-                   "bytes": str(n)}  # fmt: skip
-
-
-def test_empty_encoded_payload_is_refused_before_redis(client: redis.Redis) -> None:
-    writer = TrajectoryWriter(client, KEYS, cfg())
-    with pytest.raises(InvalidTrajectory, match="empty encoded payload"):
-        writer.put_encoded("g-empty", codec=b"col", payload=b"", oldest_version=1)
-    assert client.keys("*") == []
-
-
 def test_one_settle_counts_each_entry_once_whatever_the_mix(client: redis.Redis) -> None:
     # The deletes and the histogram are sent once per batch: repeated ids in one ack, two staleness
     # values and an unknown id must still count exactly once each.
@@ -119,6 +99,24 @@ def test_one_settle_counts_each_entry_once_whatever_the_mix(client: redis.Redis)
     s = assert_balanced(client)
     assert (s["buffer/acknowledged"], s["buffer/depth"], s["buffer/bytes"]) == (5, 0, 0)
     assert (s["buffer/staleness/2"], s["buffer/staleness/3"]) == (3, 2)
+    assert client.keys(KEYS.payload("*")) == []
+
+
+def test_one_settle_of_more_entries_than_one_delete_call_takes(client: redis.Redis) -> None:
+    # SETTLE deletes in slices of 1000 (one unpack() of more than about 8000 fails): an ack of 8200 entries
+    # it did not read itself (sizes and payload keys looked up in the entries) deletes every entry and
+    # payload and counts each once.
+    reader = TrajectoryReader(client, KEYS, cfg())
+    pipe = client.pipeline(transaction=False)
+    for i in range(8200):
+        pipe.set(KEYS.payload(f"n{i}"), b"x")
+        pipe.xadd(KEYS.trajectories, {"g": f"g{i}", "v": "1", "c": "col", "n": "1", "k": f"n{i}"})
+    pipe.hset(KEYS.counters, mapping={"produced": 8200, "bytes": 8200})
+    pipe.execute()
+    got = client.xreadgroup("learner", "other", {KEYS.trajectories: ">"}, count=10_000)
+    reader.ack([eid.decode() for eid, _ in got[0][1]])
+    s = assert_balanced(client)
+    assert (s["buffer/acknowledged"], s["buffer/depth"], s["buffer/bytes"]) == (8200, 0, 0)
     assert client.keys(KEYS.payload("*")) == []
 
 
