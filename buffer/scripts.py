@@ -58,7 +58,7 @@ return {1, id}
 # Only entries still pending are settled (XACK returned 1), so a repeated ack counts once.
 # Returns {counter, settled, ...}.
 SETTLE = """
-local settled, freed = {}, 0
+local settled, freed, lags, acked, pkeys = {}, 0, {}, {}, {}
 for i = 6, #ARGV, 6 do
   local id, counter, nbytes, lag = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local reason, nonce = ARGV[i + 4], ARGV[i + 5]
@@ -77,6 +77,8 @@ for i = 6, #ARGV, 6 do
       end
     end
   end
+  -- Per entry only the XACK (its reply says whether it was still pending); deletes and counters are
+  -- gathered and sent once for the batch below.
   if redis.call('XACK', KEYS[1], ARGV[1], id) == 1 then
     local pkey = nil
     if nonce ~= '' then pkey = ARGV[5] .. nonce end
@@ -91,14 +93,18 @@ for i = 6, #ARGV, 6 do
       end
       redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[2], '*', unpack(fields))
     elseif lag ~= '' then
-      redis.call('HINCRBY', KEYS[3], lag, 1)
+      lags[lag] = (lags[lag] or 0) + 1
     end
-    redis.call('XDEL', KEYS[1], id)
-    if pkey then redis.call('DEL', pkey) end
+    acked[#acked + 1] = id
+    if pkey then pkeys[#pkeys + 1] = pkey end
     settled[counter] = (settled[counter] or 0) + 1
     freed = freed + (tonumber(nbytes) or 0)
   end
 end
+-- In slices: unpack() of a very long list would overflow Lua's C stack.
+for s = 1, #acked, 1000 do redis.call('XDEL', KEYS[1], unpack(acked, s, math.min(s + 999, #acked))) end
+for s = 1, #pkeys, 1000 do redis.call('DEL', unpack(pkeys, s, math.min(s + 999, #pkeys))) end
+for lag, count in pairs(lags) do redis.call('HINCRBY', KEYS[3], lag, count) end
 local out = {}
 for counter, count in pairs(settled) do
   if counter ~= '' then redis.call('HINCRBY', KEYS[2], counter, count) end

@@ -83,6 +83,43 @@ def test_retried_insert_makes_exactly_one_entry(client: redis.Redis) -> None:
     assert (s["buffer/produced"], s["buffer/duplicates"]) == (1, 2)
 
 
+def test_one_settle_counts_each_entry_once_whatever_the_mix(client: redis.Redis) -> None:
+    # The deletes and the histogram are sent once per batch: repeated ids in one ack, two staleness
+    # values and an unknown id must still count exactly once each.
+    c = cfg()
+    writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
+    for i, v in enumerate([5, 4, 5, 4, 5]):
+        writer.put(make_group(seed=i, version=v))
+    got = reader.read(5, current_version=6, max_staleness=4, block_ms=300)
+    assert sorted(b.staleness for b in got) == [2, 2, 2, 3, 3]
+    ids = [b.entry_id for b in got]
+    reader.ack([ids[0], ids[1], ids[0], "1-1", ids[2]])
+    assert client.xlen(KEYS.trajectories) == 2
+    reader.ack(ids + ids)
+    s = assert_balanced(client)
+    assert (s["buffer/acknowledged"], s["buffer/depth"], s["buffer/bytes"]) == (5, 0, 0)
+    assert (s["buffer/staleness/2"], s["buffer/staleness/3"]) == (3, 2)
+    assert client.keys(KEYS.payload("*")) == []
+
+
+def test_one_settle_of_more_entries_than_one_delete_call_takes(client: redis.Redis) -> None:
+    # SETTLE deletes in slices of 1000 (one unpack() of more than about 8000 fails): an ack of 8200 entries
+    # it did not read itself (sizes and payload keys looked up in the entries) deletes every entry and
+    # payload and counts each once.
+    reader = TrajectoryReader(client, KEYS, cfg())
+    pipe = client.pipeline(transaction=False)
+    for i in range(8200):
+        pipe.set(KEYS.payload(f"n{i}"), b"x")
+        pipe.xadd(KEYS.trajectories, {"g": f"g{i}", "v": "1", "c": "col", "n": "1", "k": f"n{i}"})
+    pipe.hset(KEYS.counters, mapping={"produced": 8200, "bytes": 8200})
+    pipe.execute()
+    got = client.xreadgroup("learner", "other", {KEYS.trajectories: ">"}, count=10_000)
+    reader.ack([eid.decode() for eid, _ in got[0][1]])
+    s = assert_balanced(client)
+    assert (s["buffer/acknowledged"], s["buffer/depth"], s["buffer/bytes"]) == (8200, 0, 0)
+    assert client.keys(KEYS.payload("*")) == []
+
+
 def test_stale_groups_are_dropped_and_counted(client: redis.Redis) -> None:
     c = cfg()
     writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
