@@ -1,14 +1,14 @@
 """``algorithm.policy_loss``: which policy loss trains the actor, and that loss's own knobs.
 
 verl's ``policy_loss.loss_mode`` is the tag: ``{loss_mode: vanilla}`` selects :class:`VanillaLoss`, and a
-new loss is one config class here (or anywhere: the registry is open) decorated with
-:func:`register_policy_loss_config`, beside its function in ``learner/losses.py``. The knobs every loss
-shares (clip ratios, importance sampling, KL, entropy, aggregation) stay in the ``algorithm`` section under
-verl's names; a loss's config class holds only what is its own.
+new loss is one config class here decorated with :func:`register_policy_loss_config`, beside its function
+in ``learner/losses.py``. The knobs every loss shares (clip ratios, importance sampling, KL, entropy,
+aggregation) stay in the ``algorithm`` section under verl's names; a loss's config class holds only what
+is its own.
 
-An open registry rather than a closed ``Union[...]`` so a loss defined outside this package (a user's
-plug-in, a test's toy) is validated at load time like a built-in one: an unknown ``loss_mode`` or a
-misspelt knob is a config error naming the key, before torch is imported.
+An open registry rather than a closed ``Union[...]`` so a class registered from elsewhere (a test's toy)
+is validated at load time exactly like a built-in one: an unknown ``loss_mode`` or a misspelt knob is a
+config error naming the key, before torch is imported.
 """
 
 from __future__ import annotations
