@@ -10,7 +10,7 @@ and the dataset position (:mod:`learner.distributed`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import redis
 from redis.backoff import NoBackoff
@@ -31,6 +31,9 @@ from tether.metrics import MetricsLogger
 from tether.redis_server import RedisUnavailable, connect_redis
 from tether.runs import RunPaths
 from weight_sync.snapshot import latest_snapshot
+
+if TYPE_CHECKING:
+    from learner.evaluation import Evaluator
 
 log = get_logger(__name__)
 
@@ -67,7 +70,7 @@ class RankZero:
         self.live = LiveStatus(client=self.client, key=self.keys.learner, port=lc.metrics_port,
                                total_steps=lc.total_steps, start_step=state.step)  # fmt: skip
         self.trace = GroupTrace(paths.root / "groups.jsonl")
-        self.evaluator: Any = None  # learner.evaluation.Evaluator once started
+        self.evaluator: Evaluator | None = None  # with learner.val_data_path, once started
 
     # ----- versions
 
