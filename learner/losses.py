@@ -12,9 +12,11 @@ micro-batch's contribution to a mini-batch mean (sum them), except keys ending i
 max).
 
 GRPO, Dr.GRPO and DAPO are all :func:`policy_loss` (PPO-clip with asymmetric and dual clip, decoupled
-importance weights) with particular settings, not branches of their own; the policy losses are keyed by
-``algorithm.loss_mode`` in :data:`POLICY_LOSSES`, and read their knobs from the ``algorithm`` section
-itself. :func:`value_loss` is the critic's (PPO with GAE). The advantages are in :mod:`learner.advantages`.
+importance weights) with particular settings, not branches of their own. A policy loss is one function
+here, registered under its ``algorithm.policy_loss.loss_mode`` (:func:`register_policy_loss`), plus one
+config class for its own knobs (:mod:`tether.config.policy_loss`); it is given the ``algorithm`` section
+itself, so the trainer copies no fields. :func:`value_loss` is the critic's (PPO with GAE). The
+advantages are in :mod:`learner.advantages`.
 """
 
 from __future__ import annotations
@@ -217,14 +219,33 @@ def value_loss(
 
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
-POLICY_LOSSES: dict[str, PolicyLossFn] = {"vanilla": policy_loss}
-"""``algorithm.loss_mode`` -> the loss (verl's ``policy_loss.loss_mode``). A new loss takes
-:func:`policy_loss`'s keyword arguments, reads its knobs from the ``algorithm`` section it is given,
-and is added here and to ``AlgorithmConfig.loss_mode``."""
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+"""``algorithm.policy_loss.loss_mode`` -> the loss; each name also has a config class
+(:data:`tether.config.policy_loss.POLICY_LOSS_CONFIGS`)."""
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: ``fn`` is the loss ``loss_mode: name`` selects. It takes :func:`policy_loss`'s keyword
+    arguments and reads its own knobs from ``settings.policy_loss`` (its config class)."""
+
+    def add(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is registered twice")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return add
+
+
+register_policy_loss("vanilla")(policy_loss)
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
     try:
         return POLICY_LOSSES[name]
     except KeyError:
-        raise ValueError(f"algorithm.loss_mode: unknown {name!r}; known: {', '.join(sorted(POLICY_LOSSES))}") from None
+        known = ", ".join(sorted(POLICY_LOSSES))
+        raise ValueError(
+            f"algorithm.policy_loss.loss_mode: no loss function for {name!r} (known: {known}) — decorate one "
+            f"with @register_policy_loss({name!r}) in a module the learner imports"
+        ) from None

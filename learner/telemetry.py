@@ -32,6 +32,33 @@ def train_flops(n_params: int, tokens: int, *, forward_passes: int = 0) -> float
     return 6.0 * n_params * tokens + 2.0 * n_params * tokens * forward_passes
 
 
+class StepPerf:
+    """A step's timing and throughput keys: tokens/s over the compute time, and MFU where the GPU's peak is
+    known (the actor's FLOPs: 6·N per trained token per epoch, 2·N per token of each forward-only pass)."""
+
+    def __init__(self, model: torch.nn.Module, *, device: torch.device, world: int, ppo_epochs: int,
+                 forward_passes: int) -> None:  # fmt: skip
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.peak = peak_flops(device)
+        self.world, self.ppo_epochs, self.forward_passes = world, ppo_epochs, forward_passes
+
+    def metrics(self, row: Mapping[str, float], *, started: float, wait_data: float, weight_sync: float) -> dict:
+        """The keys to add to ``row`` (which holds the trainer's ``timing/compute`` and ``learner/tokens``);
+        ``started``: the step's ``time.perf_counter()`` at its start."""
+        compute = row.get("timing/compute", 0.0)
+        tokens = row.get("learner/tokens", 0.0)
+        out = {
+            "timing/wait_data": wait_data,
+            "timing/weight_sync": weight_sync,
+            "timing/step": time.perf_counter() - started,
+            "perf/tokens_per_s": tokens / compute if compute else 0.0,
+        }
+        if self.peak and compute:
+            flops = train_flops(self.n_params, int(tokens) * self.ppo_epochs, forward_passes=self.forward_passes)
+            out["perf/mfu"] = flops / (compute * self.peak * self.world)
+        return out
+
+
 @contextlib.contextmanager
 def nvtx(name: str) -> Iterator[None]:
     """An NVTX range around a phase (visible in Nsight) when CUDA is in use; nothing otherwise."""

@@ -76,7 +76,7 @@ class Trainer:
         lc = cfg.learner
         self.cfg, self.model, self.ref_model, self.critic, self.device = cfg, model, ref_model, critic, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.policy_loss = get_policy_loss(cfg.algorithm.loss_mode)
+        self.policy_loss = get_policy_loss(cfg.algorithm.policy_loss.loss_mode)
         self.norm_len = float(cfg.rollout.max_tokens)  # Dr.GRPO's constant length
         self.offload = activation_offload(cfg, device)
         self.layout = ulysses.setup(lc.ulysses_sequence_parallel_size, num_heads=model.config.num_attention_heads)

@@ -2,9 +2,10 @@
 
 The engine is one class implementing :class:`rollout_server.engines.Engine` (only ``stream`` does real
 work); a real prompt worker drives it and its samples land in a real Redis buffer with their log-probs and
-per-token versions. The loss and the estimator are one function each in their registry; a real trainer
-step (tiny model, one gloo rank) must call them: the loss doubled gives exactly doubled gradients, and an
-estimator that returns zero advantages gives zero policy gradients.
+per-token versions. The loss is one function and one config class (its knob validated at load time), the
+estimator one function, each in its registry; a real trainer step (tiny model, one gloo rank) must call
+them: the loss scaled by its knob gives exactly scaled gradients, and an estimator that returns zero
+advantages gives zero policy gradients.
 """
 
 from __future__ import annotations
@@ -13,16 +14,19 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import redis
 import torch
 import torch.distributed as dist
+import yaml
+from pydantic import Field
 from torch.testing import assert_close
 
 from buffer import PromptQueue, TrajectoryReader
 from rollout_server.engines import Chunk, Engine, SamplingSpec
-from tether.config import TetherConfig, load_config
+from tether.config import ConfigError, load_config, save_resolved
 from tether.redis_server import free_port
 from tether.v1 import trajectory_pb2
 
@@ -115,24 +119,23 @@ def one_rank() -> Iterator[None]:
     dist.destroy_process_group()
 
 
-def _first_grads(model_dir: Path, **algorithm: object) -> dict[str, torch.Tensor]:
-    """The first update's gradients of a fresh trainer on fixed synthetic groups (no clipping in reach)."""
+def _first_grads(model_dir: Path, algorithm: dict | None = None, **unchecked: object) -> dict[str, torch.Tensor]:
+    """The first update's gradients of a fresh trainer on fixed synthetic groups (no clipping in reach).
+
+    ``algorithm`` goes through the config's validation; ``unchecked`` replaces fields after it (names the
+    config lists as a closed set, which a registry's toy entry cannot join)."""
     from learner.parallelize import load_model
     from learner.synthetic import make_groups
     from learner.trainer import Trainer
 
-    cfg = TetherConfig.model_validate(
-        {
-            "model": {"path": str(model_dir)},
-            "rollout": {"max_tokens": 24},
-            "learner": {"train_batch_size": 4, "lr": 1e-2, "lr_warmup_steps": 0, "grad_clip": 1e9,
-                        "use_dynamic_bsz": False, "micro_batch_size_per_gpu": 4},
-            "algorithm": {"max_staleness": 1},
-        }
+    cfg = load_config(
+        None,
+        ["--model.path", str(model_dir), "--rollout.max_tokens", "24",
+         "--learner", "{train_batch_size: 4, lr: 1e-2, lr_warmup_steps: 0, grad_clip: 1e9, use_dynamic_bsz: false,"
+                      " micro_batch_size_per_gpu: 4}",
+         "--algorithm", yaml.safe_dump({"max_staleness": 1, **(algorithm or {})}, default_flow_style=True)],
     )  # fmt: skip
-    # The registries are open; the config's names are a closed list (a typo fails at load): a new entry
-    # also adds its name there (docs/EXTENDING.md), which this test stands in for.
-    cfg.algorithm = cfg.algorithm.model_copy(update=algorithm)
+    cfg.algorithm = cfg.algorithm.model_copy(update=unchecked)
     torch.manual_seed(0)
     model = load_model(cfg, torch.device("cpu"))
     trainer = Trainer(cfg, model, device=torch.device("cpu"), ref_model=None)
@@ -147,22 +150,49 @@ def _first_grads(model_dir: Path, **algorithm: object) -> dict[str, torch.Tensor
     return grads
 
 
-def test_a_new_policy_loss_is_one_function(one_rank, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_new_policy_loss_is_one_function_and_one_config_class(
+    one_rank, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from learner import losses
+    from tether.config import policy_loss as loss_configs
 
+    # Both registries are module-level: this test's entries leave with it.
+    monkeypatch.setattr(losses, "POLICY_LOSSES", dict(losses.POLICY_LOSSES))
+    monkeypatch.setattr(loss_configs, "POLICY_LOSS_CONFIGS", dict(loss_configs.POLICY_LOSS_CONFIGS))
     calls = []
 
-    def doubled(**kw):  # type: ignore[no-untyped-def]
-        calls.append(1)
-        loss, metrics = losses.policy_loss(**kw)
-        return 2 * loss, metrics
+    # --- the recipe: one config class ...
+    @loss_configs.register_policy_loss_config
+    class ScaledLoss(loss_configs.PolicyLossConfig):
+        """PPO-clip, scaled."""
 
-    monkeypatch.setitem(losses.POLICY_LOSSES, "doubled", doubled)
+        loss_mode: Literal["scaled"] = "scaled"
+        scale: float = Field(default=1.0, gt=0)
+        """What the vanilla loss is multiplied by."""
+
+    # --- ... and one function.
+    @losses.register_policy_loss("scaled")
+    def scaled(*, settings, **kw):  # type: ignore[no-untyped-def]
+        calls.append(settings.policy_loss)
+        loss, metrics = losses.policy_loss(settings=settings, **kw)
+        return settings.policy_loss.scale * loss, metrics
+
+    # Its knobs are validated at load time, under the key the user wrote.
+    with pytest.raises(ConfigError, match=r"algorithm\.policy_loss\.scale: Input should be greater than 0"):
+        load_config(None, ["--algorithm.policy_loss", "{loss_mode: scaled, scale: -1}"])
+    with pytest.raises(ConfigError, match=r"algorithm\.policy_loss\.scael: unknown key — did you mean 'scale'"):
+        load_config(None, ["--algorithm.policy_loss", "{loss_mode: scaled, scael: 3}"])
+    # The resolved config a run writes reads back as the same loss with the same knobs.
+    cfg = load_config(None, ["--algorithm.policy_loss", "{loss_mode: scaled, scale: 3}"])
+    again = load_config(save_resolved(cfg, tmp_path))
+    assert again == cfg and isinstance(again.algorithm.policy_loss, ScaledLoss)
+
     base = _first_grads(tiny_model_dir)
-    toy = _first_grads(tiny_model_dir, loss_mode="doubled")
-    assert calls and base.keys() == toy.keys()
+    toy = _first_grads(tiny_model_dir, {"policy_loss": {"loss_mode": "scaled", "scale": 3.0}})
+    assert calls and all(c == ScaledLoss(scale=3.0) for c in calls)
+    assert base.keys() == toy.keys()
     for name in base:
-        assert_close(toy[name], 2 * base[name], rtol=1e-4, atol=1e-7)
+        assert_close(toy[name], 3 * base[name], rtol=1e-4, atol=1e-7)
 
 
 def test_a_new_estimator_is_one_function(one_rank, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

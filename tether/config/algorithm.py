@@ -1,12 +1,15 @@
-"""``algorithm``: advantages, the policy loss, off-policy correction, staleness."""
+"""``algorithm``: advantages, the policy loss (its own knobs in :mod:`tether.config.policy_loss`), off-policy
+correction, staleness."""
 
 from __future__ import annotations
 
-from typing import Literal
+import warnings
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SerializeAsAny, field_validator, model_validator
 
 from tether.config.base import Section
+from tether.config.policy_loss import PolicyLossConfig, VanillaLoss, as_policy_loss_config
 
 
 class AlgorithmConfig(Section):
@@ -28,9 +31,10 @@ class AlgorithmConfig(Section):
     lam: float = Field(default=1.0, ge=0, le=1)
     """GAE's lambda: 1 is the Monte-Carlo return minus the value, 0 the one-step TD error."""
 
-    loss_mode: Literal["vanilla"] = "vanilla"
-    """The policy loss (verl's ``policy_loss.loss_mode``): ``vanilla`` is decoupled PPO-clip with the
-    clip, importance-sampling, KL and entropy knobs below."""
+    policy_loss: SerializeAsAny[PolicyLossConfig] = Field(default_factory=VanillaLoss)
+    """The policy loss, keyed by ``loss_mode`` as verl's ``policy_loss.loss_mode`` (``vanilla``: decoupled
+    PPO-clip with the clip, importance-sampling, KL and entropy knobs below), with that loss's own knobs
+    (:mod:`tether.config.policy_loss`)."""
 
     norm_adv_by_std_in_grpo: bool = True
     """Divide GRPO advantages by the group's reward standard deviation."""
@@ -73,6 +77,36 @@ class AlgorithmConfig(Section):
 
     entropy_coeff: float = Field(default=0.0, ge=0)
     """Entropy bonus weight."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_loss_mode(cls, data: Any) -> Any:
+        """``algorithm.loss_mode`` was the key before losses had config classes: still read, with a warning."""
+        if not isinstance(data, dict) or "loss_mode" not in data:
+            return data
+        data = dict(data)
+        mode = data.pop("loss_mode")
+        loss = data.get("policy_loss")
+        if isinstance(loss, PolicyLossConfig):
+            loss = loss.model_dump()
+        loss = dict(loss or {})
+        if loss.setdefault("loss_mode", mode) != mode:
+            raise ValueError(
+                f"loss_mode {mode!r} and policy_loss.loss_mode {loss['loss_mode']!r} disagree — "
+                "keep only policy_loss.loss_mode (algorithm.loss_mode is deprecated)"
+            )
+        warnings.warn(
+            f"algorithm.loss_mode is deprecated: write algorithm.policy_loss.loss_mode: {mode} (verl's place)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        data["policy_loss"] = loss
+        return data
+
+    @field_validator("policy_loss", mode="before")
+    @classmethod
+    def _loss_class(cls, value: Any) -> Any:
+        return as_policy_loss_config(value)
 
     @model_validator(mode="after")
     def _dr_grpo(self) -> AlgorithmConfig:

@@ -7,6 +7,7 @@ problem, e.g. ``learner.lr: Input should be greater than 0 (got -1)``. Nothing h
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from tether.config.policy_loss import PolicyLossConfig, policy_loss_config_class
 from tether.config.root import TetherConfig
 
 
@@ -142,6 +144,9 @@ def _field_model(model: type[BaseModel] | None, name: str, value: Any) -> type[B
     annotation = model.model_fields[name].annotation
     candidates = [annotation, *getattr(annotation, "__args__", ())]
     subs = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+    if subs == [PolicyLossConfig] and isinstance(value, dict):  # an open registry keyed by loss_mode
+        with contextlib.suppress(ValueError):
+            return policy_loss_config_class(value.get("loss_mode", "vanilla"))
     if len(subs) > 1 and isinstance(value, dict):
         for sub in subs:  # a tagged union: pick the member the user's `type` names
             tag = sub.model_fields.get("type")
