@@ -37,6 +37,7 @@ from rollout_server.engines.base import (
     EngineError,
     SamplingSpec,
 )
+from rollout_server.engines import decode_attention
 from rollout_server.engines.kv_batch import RunningBatch
 from rollout_server.engines.sampling import RowParams, sample
 from tether.config import TetherConfig
@@ -146,10 +147,12 @@ class TransformersEngine(Engine):
         )
         dtype = mcfg.dtype if mcfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
         tokenizer = AutoTokenizer.from_pretrained(mcfg.path, trust_remote_code=mcfg.trust_remote_code)
+        # sdpa, minus its per-step copy of the KV cache for grouped-query attention (decode_attention.py).
+        attn = decode_attention.register() if mcfg.attn_implementation == "sdpa" else mcfg.attn_implementation
         model = AutoModelForCausalLM.from_pretrained(
             mcfg.path,
             dtype=getattr(torch, dtype),
-            attn_implementation=mcfg.attn_implementation,
+            attn_implementation=attn,
             trust_remote_code=mcfg.trust_remote_code,
         )
         return model.to(device).eval(), tokenizer, device
