@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rollout_server.engines import decode_attention
 from rollout_server.engines.base import (
     FINISH_ABORTED,
     FINISH_LENGTH,
@@ -37,7 +38,6 @@ from rollout_server.engines.base import (
     EngineError,
     SamplingSpec,
 )
-from rollout_server.engines import decode_attention
 from rollout_server.engines.kv_batch import RunningBatch
 from rollout_server.engines.sampling import RowParams, sample
 from tether.config import TetherConfig
@@ -117,6 +117,7 @@ class TransformersEngine(Engine):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._eos: set[int] = set()
+        self._counts: collections.Counter[str] = collections.Counter()  # see Engine.step_counts; engine thread
         # The model's own thread: forward passes never wait behind other blocking work (Redis reads,
         # weight receives) in asyncio's small shared default pool, and one model runs one pass at a time.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -229,6 +230,9 @@ class TransformersEngine(Engine):
     def queued_requests(self) -> int:
         return len(self._waiting)
 
+    def step_counts(self) -> dict[str, int]:
+        return {k: self._counts[k] for k in ("prefill", "prefill_rows", "decode", "decode_rows")}
+
     @property
     def _running_rows(self) -> int:
         return len(self._rows)
@@ -303,9 +307,17 @@ class TransformersEngine(Engine):
         return taken
 
     async def _prefill(self, requests: list[_Request]) -> None:
+        rows = [_Row(req, i) for req in requests for i in range(req.spec.n)]
+        await self._gate()
+        version = self.policy_version  # see _decode: fixed while the forward runs
+        await self._threaded(lambda: self._prefill_sync(rows, version))
+
+    def _prefill_sync(self, rows: list[_Row], version: int) -> None:
+        """The newcomers' forward pass, their first tokens, and their join into the running batch (engine
+        thread). Building the inputs and joining the cache (a copy of the whole KV cache) happen here, not on
+        the event loop, which meanwhile keeps answering RPCs; the loop does not touch the batch meanwhile."""
         import torch
 
-        rows = [_Row(req, i) for req in requests for i in range(req.spec.n)]
         params = RowParams.build(
             [
                 (
@@ -328,24 +340,19 @@ class TransformersEngine(Engine):
         )
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         state: dict[str, Any] = {"cache": None, "ids": ids, "mask": mask, "pos": pos}
-
-        def prefill() -> tuple[RunningBatch, list[_Row]]:
-            tokens, logps = self._step_sync(state, params)
-            batch = RunningBatch(cache=state["cache"], mask=mask, pos=pos[:, -1] + 1, params=params)
-            batch.last = state["next"]
-            alive, out = self._advance(rows, tokens, logps, version)
-            batch.keep(alive)
-            self._post(out)
-            return batch, [rows[i] for i in alive]
-
-        await self._gate()
-        version = self.policy_version  # see _decode: fixed while the forward runs
-        batch, alive = await self._threaded(prefill)
+        tokens, logps = self._step_sync(state, params)
+        self._counts.update(prefill=1, prefill_rows=len(rows))
+        batch = RunningBatch(cache=state["cache"], mask=mask, pos=pos[:, -1] + 1, params=params)
+        batch.last = state["next"]
+        alive, out = self._advance(rows, tokens, logps, version)
+        batch.keep(alive)
+        # Rows before tokens: whoever sees a request end sees its rows gone (as in _decode_burst).
         if alive and self._batch is not None and self._rows:
             self._batch.join(batch)
-            self._rows = self._rows + alive
+            self._rows = self._rows + [rows[i] for i in alive]
         elif alive:
-            self._batch, self._rows = batch, alive
+            self._batch, self._rows = batch, [rows[i] for i in alive]
+        self._post(out)
 
     async def _decode(self) -> None:
         """Decode steps, back to back in the engine's thread, until the loop is needed: every row is done,
@@ -372,6 +379,7 @@ class TransformersEngine(Engine):
                 mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=-1)
                 state = {"cache": batch.cache, "ids": batch.last[:, None], "mask": mask, "pos": batch.pos[:, None]}
                 tokens, logps = self._step_sync(state, batch.params)
+                self._counts.update(decode=1, decode_rows=len(tokens))
                 batch.mask, batch.pos, batch.last = mask, batch.pos + 1, state["next"]
                 alive, out = self._advance(self._rows, tokens, logps, version)
                 batch.keep(alive)

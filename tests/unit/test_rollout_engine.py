@@ -92,6 +92,20 @@ async def test_requests_close_together_share_a_batch(engine) -> None:
     assert seen == [4]
 
 
+async def test_step_counts_say_what_the_engine_ran(engine) -> None:
+    """One batch of 4 requests x 2 rows: one prefill of 8 rows, then decode passes of at most 8 rows each,
+    one per token after the first (the prefill samples it) for the longest row."""
+    ids = engine.tokenizer("x")["input_ids"]
+    before = engine.step_counts()
+    outs = await asyncio.gather(*(engine.generate(ids, SamplingSpec(n=2, max_tokens=6)) for _ in range(4)))
+    got = {k: v - before[k] for k, v in engine.step_counts().items()}
+    longest = max(len(s.token_ids) for samples in outs for s in samples)
+    tokens = sum(len(s.token_ids) for samples in outs for s in samples)
+    assert got["prefill"] == 1 and got["prefill_rows"] == 8
+    assert got["decode"] == longest - 1
+    assert got["decode_rows"] == tokens - 8  # every token after each row's first came from a decode row
+
+
 async def test_seed_reproduces_and_greedy_is_deterministic(engine) -> None:
     ids = engine.tokenizer("seed")["input_ids"]
     a = await engine.generate(ids, SamplingSpec(n=2, max_tokens=8, seed=5))
