@@ -5,7 +5,9 @@ scheduler prefills newcomers (up to ``max_num_seqs`` rows in all, a request's ``
 ``n`` rows) in one left-padded forward pass of their own, appends their rows to the running batch's
 ``DynamicCache``, and every row leaves the batch the step it finishes (``kv_batch.py`` holds the
 per-row cache handling). When nothing runs, a request waits up to ``batch_wait_ms`` for others so a
-burst starts as one batch. A request with ``n > max_num_seqs`` runs alone.
+burst starts as one batch; while rows run, newcomers join once they fill the batch or the first of them
+has waited ``batch_wait_ms``, so arrivals a few ms apart share one prefill. A request with
+``n > max_num_seqs`` runs alone.
 
 Each step — forward pass, sampling and the copy of tokens and log-probs to Python — is one call into
 the engine's own thread, so the gRPC event loop stays responsive; between steps the loop checks the
@@ -59,6 +61,7 @@ class _Request:
     closed: bool = False
     aborted: bool = False
     wake_each_step: bool = True  # False: the consumer wants whole samples (generate), woken once at the end
+    arrived: float = field(default_factory=time.monotonic)
 
     @property
     def open_rows(self) -> int:
@@ -392,11 +395,23 @@ class TransformersEngine(Engine):
                     outbox = []
                 if not self._rows or self._interrupt.is_set():
                     return
-                waiting = self._waiting[0] if self._waiting else None  # the loop appends during a burst, never pops
-                if waiting is not None and self._admit.is_set() and len(self._rows) + waiting.spec.n <= limit:
+                if self._admit.is_set() and self._should_admit(limit):
                     return
         finally:
             self._post(outbox)  # also on a failure: what was generated reaches its requests before they end
+
+    def _should_admit(self, limit: int) -> bool:
+        """Whether the burst should return so waiting requests join (engine thread; the loop appends to
+        ``_waiting`` during a burst, never pops). The first in line must fit, and either the waiting ones
+        fill the batch or it has waited ``batch_wait_ms``: requests that arrive a few ms apart (the
+        clients of one finished batch, over the network) join in one prefill and one copy of the cache
+        instead of one each, as they would on the loop that finished them."""
+        waiting = self._waiting[0] if self._waiting else None
+        if waiting is None or len(self._rows) + waiting.spec.n > limit:
+            return False
+        if len(self._rows) + len(self._waiting) >= limit:  # each waiting request has at least one row
+            return True
+        return time.monotonic() - waiting.arrived >= self.ecfg.batch_wait_ms / 1000
 
     async def _gate(self) -> None:
         while not self._step_gate.is_set():  # re-check: a pause may land between set() and our wake-up

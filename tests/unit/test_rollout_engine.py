@@ -224,6 +224,38 @@ async def test_a_request_joins_the_running_batch_and_leaves_it_when_done(engine)
         torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-4, rtol=1e-4)
 
 
+async def test_newcomers_a_few_ms_apart_join_the_running_batch_in_one_prefill(tiny_model_dir: Path) -> None:
+    """While a row runs, a newcomer with room left waits for others (up to batch_wait_ms) instead of being
+    prefilled alone at the next step; once the waiting requests fill max_num_seqs they join at once."""
+    e = build_engine(load_config(None, ["--model.path", str(tiny_model_dir), "--rollout.engine.max_num_seqs", "3",
+                                        "--rollout.engine.batch_wait_ms", "0"]))  # fmt: skip
+    await e.start()
+    try:
+        e._eos.clear()
+        prefills: list[int] = []
+        prefill = e._prefill
+
+        async def spy(requests):
+            prefills.append(len(requests))
+            return await prefill(requests)
+
+        e._prefill = spy
+        ids = e.tokenizer("x")["input_ids"]
+        running = asyncio.create_task(e.generate(ids, SamplingSpec(n=1, max_tokens=400)))
+        while not e._rows:
+            await asyncio.sleep(0.005)
+        e.ecfg.batch_wait_ms = 60_000  # from here only a full batch lets newcomers in (the test never waits this)
+        first = asyncio.create_task(e.generate(ids, SamplingSpec(n=1, max_tokens=3)))
+        await asyncio.sleep(0.05)  # the running row decodes on; the first newcomer waits
+        second = asyncio.create_task(e.generate(ids, SamplingSpec(n=1, max_tokens=3)))
+        await asyncio.gather(first, second)
+        assert prefills == [1, 2] and not running.done()
+        await e.abort(next(iter(e._requests)))
+        await running
+    finally:
+        await e.shutdown()
+
+
 async def test_abort_of_one_request_leaves_the_others_running(engine) -> None:
     engine._eos.clear()
     ids = engine.tokenizer("abort one")["input_ids"]
