@@ -27,7 +27,10 @@ back (tokens, seconds); it holds no engine and runs no event loop while a side i
 concurrency level (1, 8, 64 clients, each sending one request at a time) runs ``--repeats`` times on
 both sides back to back, the side that goes first alternating, after a warm-up of both. The figure
 ``rollout/grpc_vs_inprocess_<c>clients`` (goal ≥ 0.95) is the median of the per-repeat ratios with
-their min–max. Both engines live for the whole run (idle while the other side is timed); on a machine
+their min–max. Beside the timings each side prints what its engine ran over those repeats — rows per
+decode pass and forward passes per 1k tokens (``Engine.step_counts``; the server's are read from its
+Prometheus endpoint) — counts, not times, so a gap can be told from batching or from overhead even on a
+busy machine. Both engines live for the whole run (idle while the other side is timed); on a machine
 with few cores the server, its client process and the in-process worker share them, which is the
 load a rollout host sees. Timings are printed, never asserted. With no ``--model`` a tiny model is
 built in a temp folder.
@@ -66,6 +69,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--part", default="all", choices=["all", "generate", "grpc"], help="which comparison to run")
     p.add_argument("--worker", choices=["local", "remote", "versus"], help=argparse.SUPPRESS)
     p.add_argument("--address", help=argparse.SUPPRESS)
+    p.add_argument("--metrics-url", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -169,6 +173,7 @@ async def serve_worker(args: argparse.Namespace) -> int:
             return len(s.token_ids)
 
         close = engine.shutdown
+        step_counts = engine.step_counts
     else:
         from transformers import AutoTokenizer
 
@@ -183,26 +188,59 @@ async def serve_worker(args: argparse.Namespace) -> int:
             return len(out.samples[0].token_ids)
 
         close = client.close
+
+        def step_counts() -> dict[str, int]:
+            return scrape_step_counts(args.metrics_url)
+
     try:
         await drive(call, 4, 2)  # warm-up: first-call allocations, thread pools, channel connect
         print(RESULT + json.dumps({"ready": True}), flush=True)
         loop = asyncio.get_running_loop()
         while line := await loop.run_in_executor(None, sys.stdin.readline):
             job = json.loads(line)
+            before = step_counts()
             tokens, seconds = await drive(call, job["n"], job["c"])
-            print(RESULT + json.dumps({"tokens": tokens, "seconds": seconds}), flush=True)
+            after = step_counts()
+            steps = {k: after[k] - before.get(k, 0) for k in after}
+            print(RESULT + json.dumps({"tokens": tokens, "seconds": seconds, "steps": steps}), flush=True)
     finally:
         await close()
     return 0
 
 
+def scrape_step_counts(url: str) -> dict[str, int]:
+    """The server's ``Engine.step_counts`` from its Prometheus endpoint (``tether_rollout_engine_*``)."""
+    import urllib.request
+
+    counts: dict[str, int] = {}
+    for line in urllib.request.urlopen(url, timeout=30).read().decode().splitlines():
+        for metric, suffix in (("forward_passes", ""), ("rows", "_rows")):
+            for kind in ("prefill", "decode"):
+                if line.startswith(f'tether_rollout_engine_{metric}_total{{kind="{kind}"}} '):
+                    counts[kind + suffix] = int(float(line.split()[-1]))
+    return counts
+
+
+def batch_shape(answers: list[dict]) -> str:
+    """What the engine ran over these jobs: mean rows per decode pass, forward passes per 1k tokens."""
+    total = {k: sum(a["steps"].get(k, 0) for a in answers) for k in ("prefill", "decode", "decode_rows")}
+    if not total["decode"]:
+        return "(this engine reports no step counts)"
+    tokens = sum(a["tokens"] for a in answers)
+    rows = total["decode_rows"] / max(total["decode"], 1)
+    per_k = 1000 * (total["prefill"] + total["decode"]) / max(tokens, 1)
+    return f"{rows:5.1f} rows/decode pass, {per_k:6.1f} passes/1k tokens ({total['prefill']} prefills)"
+
+
 class Worker:
     """The driver's handle on a load process."""
 
-    def __init__(self, args: argparse.Namespace, side: str, model: str, max_tokens: int, address: str = "") -> None:
+    def __init__(
+        self, args: argparse.Namespace, side: str, model: str, max_tokens: int, address: str = "", metrics_url: str = ""
+    ) -> None:
         cmd = [sys.executable, __file__, "--worker", side, "--model", model, "--engine", args.engine]
         cmd += ["--max-tokens", str(max_tokens), "--batch", str(args.batch)]
-        cmd += ["--address", address] if address else []
+        cmd += ["--address", address, "--metrics-url", metrics_url] if address else []
         self.side = side
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._answer()  # ready
@@ -214,13 +252,14 @@ class Worker:
                 return json.loads(line[len(RESULT) :])
         raise RuntimeError(f"the {self.side} load process exited ({self.proc.wait()}) without answering")
 
-    def run(self, **job: object) -> float:
-        """Generated tokens/s of one job (``n`` requests from ``c`` clients; or one ``side`` of the versus)."""
+    def run(self, **job: object) -> dict:
+        """One job (``n`` requests from ``c`` clients; or one ``side`` of the versus): its answer, with
+        ``rate`` (generated tokens/s) added."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         out = self._answer()
-        return out["tokens"] / out["seconds"]
+        return {**out, "rate": out["tokens"] / out["seconds"]}
 
     def close(self) -> None:
         if self.proc.stdin:
@@ -267,7 +306,7 @@ def engine_vs_generate(args: argparse.Namespace, model: str, repeats: int):  # t
     try:
         for k in range(repeats):
             for side in ordered(["engine", "generate"], k):
-                rates[side].append(worker.run(side=side))
+                rates[side].append(worker.run(side=side)["rate"])
     finally:
         worker.close()
     ratios = [e / g for e, g in zip(rates["engine"], rates["generate"], strict=True)]
@@ -290,23 +329,29 @@ def grpc_vs_inprocess(args: argparse.Namespace, model: str, repeats: int, tmp: P
 
     max_tokens = args.max_tokens
     print("starting the rollout server process and the two load processes ...", flush=True)
-    server = spawn_server(overrides(model, args.engine, max_tokens), port=free_port(), log_path=tmp / "server.log",
-                          wait_s=600)  # fmt: skip
+    metrics_port = free_port()
+    server = spawn_server([*overrides(model, args.engine, max_tokens), "--rollout.metrics_port", str(metrics_port)],
+                          port=free_port(), log_path=tmp / "server.log", wait_s=600)  # fmt: skip
     workers: dict[str, Worker] = {}
     rows, turn = [], 0
     try:
         workers["local"] = Worker(args, "local", model, max_tokens)
-        workers["remote"] = Worker(args, "remote", model, max_tokens, server.address)
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        workers["remote"] = Worker(args, "remote", model, max_tokens, server.address, metrics_url)
         for c in CONCURRENCY:
             n_requests = max(2 * c, 8) if args.quick else max(4 * c, 32)
-            rates: dict[str, list[float]] = {"local": [], "remote": []}
+            answers: dict[str, list[dict]] = {"local": [], "remote": []}
             for _ in range(repeats):
                 for side in ordered(["local", "remote"], turn):
-                    rates[side].append(workers[side].run(n=n_requests, c=c))
+                    answers[side].append(workers[side].run(n=n_requests, c=c))
                 turn += 1
+            rates = {side: [a["rate"] for a in got] for side, got in answers.items()}
             rows.append((c, n_requests, rates))
             print(f"  {c:>3} clients: in-process {statistics.median(rates['local']):9.1f} tok/s, "
                   f"gRPC {statistics.median(rates['remote']):9.1f} tok/s (medians)", flush=True)  # fmt: skip
+            # Not timings: what the engine ran on each side, so a gap can be told from batching or from overhead.
+            for side, name in (("local", "in-process"), ("remote", "gRPC")):
+                print(f"       {name:>10}: {batch_shape(answers[side])}", flush=True)
     finally:
         for w in workers.values():
             w.close()

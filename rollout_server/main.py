@@ -68,6 +68,7 @@ async def serve(cfg: TetherConfig, *, port: int, server_id: str, stop: asyncio.E
     log.info("engine_loading", engine=engine.name, model=cfg.model.path)
     await engine.start()
     state = ServerState(cfg, engine, server_id, ServerMetrics(server_id))
+    state.metrics.watch_engine(engine.step_counts)
     state.sink = _connect_sink(cfg, server_id)
     control = ControlServicer(state)
     await _catch_up(control)

@@ -9,8 +9,11 @@ rates) and a smoothed gauge (for ``GetStatus`` and humans). The endpoint is off 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from tether.logs import get_logger
 
@@ -49,6 +52,10 @@ class ServerMetrics:
         self._last = time.monotonic()
         self._since_last = 0
 
+    def watch_engine(self, step_counts: Callable[[], dict[str, int]]) -> None:
+        """Export the engine's forward passes and the rows they ran (``Engine.step_counts``), read at scrape."""
+        self.registry.register(_EngineSteps(step_counts))
+
     def add_tokens(self, n: int) -> None:
         self.tokens.inc(n)
         self.total_tokens += n
@@ -74,3 +81,25 @@ class ServerMetrics:
         bound = int(server.server_address[1])
         log.info("metrics_endpoint", url=f"http://{host}:{bound}/metrics")
         return bound
+
+
+class _EngineSteps(Collector):
+    """``tether_rollout_engine_forward_passes{kind}`` and ``tether_rollout_engine_rows{kind}``, kind =
+    prefill | decode: rows per decode pass is the batch the engine actually ran."""
+
+    def __init__(self, step_counts: Callable[[], dict[str, int]]) -> None:
+        self._counts = step_counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        counts = self._counts()
+        if not counts:
+            return
+        passes = CounterMetricFamily("tether_rollout_engine_forward_passes", "Engine forward passes", labels=["kind"])
+        rows = CounterMetricFamily(
+            "tether_rollout_engine_rows", "Rows run by the engine's forward passes", labels=["kind"]
+        )
+        for kind in ("prefill", "decode"):
+            passes.add_metric([kind], counts.get(kind, 0))
+            rows.add_metric([kind], counts.get(f"{kind}_rows", 0))
+        yield passes
+        yield rows

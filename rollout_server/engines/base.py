@@ -114,6 +114,12 @@ class Engine(abc.ABC):
     def queued_requests(self) -> int:
         return 0
 
+    def step_counts(self) -> dict[str, int]:
+        """Counts since start, for metrics and the bench: ``prefill`` / ``decode`` forward passes and
+        ``prefill_rows`` / ``decode_rows`` (rows they ran; ``decode_rows / decode`` is the mean batch).
+        Empty where the backend does not report them."""
+        return {}
+
     async def generate(
         self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str | None = None
     ) -> list[Sample]:

@@ -4,8 +4,8 @@ Kept apart from the engine so it is a pure function of tensors (unit-tested agai
 When a row of the batch truncates (top-k / top-p), every row is sorted once and top-k and top-p are
 masks over the sorted logits, so rows with different settings share one kernel launch sequence; when
 none does (every training rollout: truncation is refused there), the sort is skipped and sampling is
-one ``log_softmax`` and one ``multinomial`` over the batch — what ``model.generate`` spends, plus the
-gather of the log-prob. Log-probs are **processed**: the log-probability of the
+one ``log_softmax`` and one exponential race over the batch (uniforms, not ``multinomial``'s slower
+``exponential_``), plus the gather of the log-prob. Log-probs are **processed**: the log-probability of the
 sampled token under the distribution it was actually drawn from — ``log_softmax(logits / T)``
 restricted to (and renormalised over) the tokens top-k / top-p keep, as vLLM's ``processed_logprobs``.
 The learner recomputes ``log_softmax(logits / T)`` (verl's actor convention), so at temperature T with
@@ -93,7 +93,7 @@ def sample(logits: torch.Tensor, params: RowParams) -> tuple[torch.Tensor, torch
     unseeded = [i for i, g in enumerate(params.generators) if g is None]
     if unseeded:
         idx = torch.tensor(unseeded, device=logits.device)
-        picked[idx] = torch.multinomial(probs[idx], 1).squeeze(-1)
+        picked[idx] = _exponential_race(processed[idx])
     for i, g in enumerate(params.generators):
         if g is not None:
             picked[i] = torch.multinomial(probs[i], 1, generator=g).squeeze(-1)
@@ -111,24 +111,26 @@ def _sample_full_support(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample` for a batch in which no row truncates: no sort, the same distributions."""
     logp = torch.log_softmax(logits / temp[:, None], dim=-1)  # greedy rows: temp 1, their reported log-probs
-    probs = logp.exp()
     tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if len(unseeded) == len(generators):
-        tokens = _exponential_race(probs)
+        tokens = _exponential_race(logp)
     elif unseeded:
         idx = torch.tensor(unseeded, device=logits.device)
-        tokens[idx] = _exponential_race(probs[idx])
+        tokens[idx] = _exponential_race(logp[idx])
     for i, g in enumerate(generators):
         if g is not None:
-            tokens[i] = torch.multinomial(probs[i], 1, generator=g).squeeze(-1)
+            tokens[i] = torch.multinomial(logp[i].exp(), 1, generator=g).squeeze(-1)
     if greedy is not None:
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _exponential_race(probs: torch.Tensor) -> torch.Tensor:
-    """One draw per row from ``probs`` [B, V]: argmax of p / E with E ~ Exp(1) picks token i with
-    probability p_i (the exponential race; Gumbel-max in another form), several times cheaper than
-    ``torch.multinomial`` on CPU for one sample per row."""
-    return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+def _exponential_race(logp: torch.Tensor) -> torch.Tensor:
+    """One draw per row from ``exp(logp)`` [B, V]: argmax of p / E with E ~ Exp(1) picks token i with
+    probability p_i (the exponential race; Gumbel-max in another form). Taken in log space,
+    ``argmax(log p - log E)``, straight from the log-probs the caller reports anyway (no ``exp``), with
+    E = -log U from uniforms: torch's CPU ``exponential_`` (what ``torch.multinomial`` draws for one sample)
+    costs about 3x ``rand`` plus the two logs. U is kept off 0 (E finite) so no token is ever excluded."""
+    u = torch.rand_like(logp).clamp_(min=torch.finfo(logp.dtype).tiny)
+    return (logp - u.log_().neg_().log_()).argmax(dim=-1)

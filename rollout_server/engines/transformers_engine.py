@@ -5,7 +5,9 @@ scheduler prefills newcomers (up to ``max_num_seqs`` rows in all, a request's ``
 ``n`` rows) in one left-padded forward pass of their own, appends their rows to the running batch's
 ``DynamicCache``, and every row leaves the batch the step it finishes (``kv_batch.py`` holds the
 per-row cache handling). When nothing runs, a request waits up to ``batch_wait_ms`` for others so a
-burst starts as one batch. A request with ``n > max_num_seqs`` runs alone.
+burst starts as one batch; while rows run, newcomers join once they fill the batch or the first of them
+has waited ``batch_wait_ms``, so arrivals a few ms apart share one prefill. A request with
+``n > max_num_seqs`` runs alone.
 
 Each step — forward pass, sampling and the copy of tokens and log-probs to Python — is one call into
 the engine's own thread, so the gRPC event loop stays responsive; between steps the loop checks the
@@ -28,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rollout_server.engines import decode_attention
 from rollout_server.engines.base import (
     FINISH_ABORTED,
     FINISH_LENGTH,
@@ -58,6 +61,7 @@ class _Request:
     closed: bool = False
     aborted: bool = False
     wake_each_step: bool = True  # False: the consumer wants whole samples (generate), woken once at the end
+    arrived: float = field(default_factory=time.monotonic)
 
     @property
     def open_rows(self) -> int:
@@ -116,6 +120,7 @@ class TransformersEngine(Engine):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._eos: set[int] = set()
+        self._counts: collections.Counter[str] = collections.Counter()  # see Engine.step_counts; engine thread
         # The model's own thread: forward passes never wait behind other blocking work (Redis reads,
         # weight receives) in asyncio's small shared default pool, and one model runs one pass at a time.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -146,10 +151,12 @@ class TransformersEngine(Engine):
         )
         dtype = mcfg.dtype if mcfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
         tokenizer = AutoTokenizer.from_pretrained(mcfg.path, trust_remote_code=mcfg.trust_remote_code)
+        # sdpa, minus its per-step copy of the KV cache for grouped-query attention (decode_attention.py).
+        attn = decode_attention.register() if mcfg.attn_implementation == "sdpa" else mcfg.attn_implementation
         model = AutoModelForCausalLM.from_pretrained(
             mcfg.path,
             dtype=getattr(torch, dtype),
-            attn_implementation=mcfg.attn_implementation,
+            attn_implementation=attn,
             trust_remote_code=mcfg.trust_remote_code,
         )
         return model.to(device).eval(), tokenizer, device
@@ -226,6 +233,9 @@ class TransformersEngine(Engine):
     def queued_requests(self) -> int:
         return len(self._waiting)
 
+    def step_counts(self) -> dict[str, int]:
+        return {k: self._counts[k] for k in ("prefill", "prefill_rows", "decode", "decode_rows")}
+
     @property
     def _running_rows(self) -> int:
         return len(self._rows)
@@ -300,9 +310,17 @@ class TransformersEngine(Engine):
         return taken
 
     async def _prefill(self, requests: list[_Request]) -> None:
+        rows = [_Row(req, i) for req in requests for i in range(req.spec.n)]
+        await self._gate()
+        version = self.policy_version  # see _decode: fixed while the forward runs
+        await self._threaded(lambda: self._prefill_sync(rows, version))
+
+    def _prefill_sync(self, rows: list[_Row], version: int) -> None:
+        """The newcomers' forward pass, their first tokens, and their join into the running batch (engine
+        thread). Building the inputs and joining the cache (a copy of the whole KV cache) happen here, not on
+        the event loop, which meanwhile keeps answering RPCs; the loop does not touch the batch meanwhile."""
         import torch
 
-        rows = [_Row(req, i) for req in requests for i in range(req.spec.n)]
         params = RowParams.build(
             [
                 (
@@ -325,24 +343,19 @@ class TransformersEngine(Engine):
         )
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         state: dict[str, Any] = {"cache": None, "ids": ids, "mask": mask, "pos": pos}
-
-        def prefill() -> tuple[RunningBatch, list[_Row]]:
-            tokens, logps = self._step_sync(state, params)
-            batch = RunningBatch(cache=state["cache"], mask=mask, pos=pos[:, -1] + 1, params=params)
-            batch.last = state["next"]
-            alive, out = self._advance(rows, tokens, logps, version)
-            batch.keep(alive)
-            self._post(out)
-            return batch, [rows[i] for i in alive]
-
-        await self._gate()
-        version = self.policy_version  # see _decode: fixed while the forward runs
-        batch, alive = await self._threaded(prefill)
+        tokens, logps = self._step_sync(state, params)
+        self._counts.update(prefill=1, prefill_rows=len(rows))
+        batch = RunningBatch(cache=state["cache"], mask=mask, pos=pos[:, -1] + 1, params=params)
+        batch.last = state["next"]
+        alive, out = self._advance(rows, tokens, logps, version)
+        batch.keep(alive)
+        # Rows before tokens: whoever sees a request end sees its rows gone (as in _decode_burst).
         if alive and self._batch is not None and self._rows:
             self._batch.join(batch)
-            self._rows = self._rows + alive
+            self._rows = self._rows + [rows[i] for i in alive]
         elif alive:
-            self._batch, self._rows = batch, alive
+            self._batch, self._rows = batch, [rows[i] for i in alive]
+        self._post(out)
 
     async def _decode(self) -> None:
         """Decode steps, back to back in the engine's thread, until the loop is needed: every row is done,
@@ -369,6 +382,7 @@ class TransformersEngine(Engine):
                 mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=-1)
                 state = {"cache": batch.cache, "ids": batch.last[:, None], "mask": mask, "pos": batch.pos[:, None]}
                 tokens, logps = self._step_sync(state, batch.params)
+                self._counts.update(decode=1, decode_rows=len(tokens))
                 batch.mask, batch.pos, batch.last = mask, batch.pos + 1, state["next"]
                 alive, out = self._advance(self._rows, tokens, logps, version)
                 batch.keep(alive)
@@ -381,11 +395,23 @@ class TransformersEngine(Engine):
                     outbox = []
                 if not self._rows or self._interrupt.is_set():
                     return
-                waiting = self._waiting[0] if self._waiting else None  # the loop appends during a burst, never pops
-                if waiting is not None and self._admit.is_set() and len(self._rows) + waiting.spec.n <= limit:
+                if self._admit.is_set() and self._should_admit(limit):
                     return
         finally:
             self._post(outbox)  # also on a failure: what was generated reaches its requests before they end
+
+    def _should_admit(self, limit: int) -> bool:
+        """Whether the burst should return so waiting requests join (engine thread; the loop appends to
+        ``_waiting`` during a burst, never pops). The first in line must fit, and either the waiting ones
+        fill the batch or it has waited ``batch_wait_ms``: requests that arrive a few ms apart (the
+        clients of one finished batch, over the network) join in one prefill and one copy of the cache
+        instead of one each, as they would on the loop that finished them."""
+        waiting = self._waiting[0] if self._waiting else None
+        if waiting is None or len(self._rows) + waiting.spec.n > limit:
+            return False
+        if len(self._rows) + len(self._waiting) >= limit:  # each waiting request has at least one row
+            return True
+        return time.monotonic() - waiting.arrived >= self.ecfg.batch_wait_ms / 1000
 
     async def _gate(self) -> None:
         while not self._step_gate.is_set():  # re-check: a pause may land between set() and our wake-up

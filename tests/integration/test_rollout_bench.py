@@ -29,6 +29,9 @@ def test_rollout_bench_quick_reports_ratios(tmp_path: Path) -> None:
     assert "ratio gRPC/in-process" in out.stdout
     rows = [line for line in out.stdout.splitlines() if line.startswith("|") and line.split("|")[1].strip().isdigit()]
     assert [int(r.split("|")[1]) for r in rows] == [1, 8, 64]
+    # What the engine ran on each side (in-process: the engine's counts; gRPC: scraped from the server's metrics).
+    shapes = [line for line in out.stdout.splitlines() if "rows/decode pass" in line]
+    assert len(shapes) == 6 and not any(" 0.0 rows/decode pass" in line for line in shapes)
     figures = [json.loads(line) for line in results.read_text().splitlines()]
     assert [f["name"] for f in figures] == [
         "rollout/engine_vs_generate",

@@ -113,6 +113,8 @@ async def test_token_tls_and_metrics(tiny_model_dir: Path, tmp_path: Path, monke
             "tether_rollout_queue_depth",
             "tether_rollout_running_requests",
             "tether_rollout_tokens_per_s",
+            'tether_rollout_engine_forward_passes_total{kind="prefill"}',
+            'tether_rollout_engine_rows_total{kind="decode"}',
         ):
             assert name in text
         assert 'tether_rollout_requests_total{code="OK",method="Generate"} 1.0' in text

@@ -92,6 +92,20 @@ async def test_requests_close_together_share_a_batch(engine) -> None:
     assert seen == [4]
 
 
+async def test_step_counts_say_what_the_engine_ran(engine) -> None:
+    """One batch of 4 requests x 2 rows: one prefill of 8 rows, then decode passes of at most 8 rows each,
+    one per token after the first (the prefill samples it) for the longest row."""
+    ids = engine.tokenizer("x")["input_ids"]
+    before = engine.step_counts()
+    outs = await asyncio.gather(*(engine.generate(ids, SamplingSpec(n=2, max_tokens=6)) for _ in range(4)))
+    got = {k: v - before[k] for k, v in engine.step_counts().items()}
+    longest = max(len(s.token_ids) for samples in outs for s in samples)
+    tokens = sum(len(s.token_ids) for samples in outs for s in samples)
+    assert got["prefill"] == 1 and got["prefill_rows"] == 8
+    assert got["decode"] == longest - 1
+    assert got["decode_rows"] == tokens - 8  # every token after each row's first came from a decode row
+
+
 async def test_seed_reproduces_and_greedy_is_deterministic(engine) -> None:
     ids = engine.tokenizer("seed")["input_ids"]
     a = await engine.generate(ids, SamplingSpec(n=2, max_tokens=8, seed=5))
@@ -208,6 +222,38 @@ async def test_a_request_joins_the_running_batch_and_leaves_it_when_done(engine)
     for prompt, s in [(long_prompt, joined), (short_prompt, samples[0]), (short_prompt, samples[1])]:
         ref = forward_logprobs(engine.model, prompt, s.token_ids)
         torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-4, rtol=1e-4)
+
+
+async def test_newcomers_a_few_ms_apart_join_the_running_batch_in_one_prefill(tiny_model_dir: Path) -> None:
+    """While a row runs, a newcomer with room left waits for others (up to batch_wait_ms) instead of being
+    prefilled alone at the next step; once the waiting requests fill max_num_seqs they join at once."""
+    e = build_engine(load_config(None, ["--model.path", str(tiny_model_dir), "--rollout.engine.max_num_seqs", "3",
+                                        "--rollout.engine.batch_wait_ms", "0"]))  # fmt: skip
+    await e.start()
+    try:
+        e._eos.clear()
+        prefills: list[int] = []
+        prefill = e._prefill
+
+        async def spy(requests):
+            prefills.append(len(requests))
+            return await prefill(requests)
+
+        e._prefill = spy
+        ids = e.tokenizer("x")["input_ids"]
+        running = asyncio.create_task(e.generate(ids, SamplingSpec(n=1, max_tokens=400)))
+        while not e._rows:
+            await asyncio.sleep(0.005)
+        e.ecfg.batch_wait_ms = 60_000  # from here only a full batch lets newcomers in (the test never waits this)
+        first = asyncio.create_task(e.generate(ids, SamplingSpec(n=1, max_tokens=3)))
+        await asyncio.sleep(0.05)  # the running row decodes on; the first newcomer waits
+        second = asyncio.create_task(e.generate(ids, SamplingSpec(n=1, max_tokens=3)))
+        await asyncio.gather(first, second)
+        assert prefills == [1, 2] and not running.done()
+        await e.abort(next(iter(e._requests)))
+        await running
+    finally:
+        await e.shutdown()
 
 
 async def test_abort_of_one_request_leaves_the_others_running(engine) -> None:
