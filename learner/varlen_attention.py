@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -71,8 +70,6 @@ def varlen_sdpa(query: Tensor, key: Tensor, value: Tensor, lengths: list[int], *
     gqa = query.shape[1] != key.shape[1]
     if len(lengths) == 1:
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
-    if len(set(lengths)) < len(lengths):
-        return _sdpa_by_length(query, key, value, lengths, scale=scale, gqa=gqa)
     outs = [
         F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         for q, k, v in zip(
@@ -80,38 +77,6 @@ def varlen_sdpa(query: Tensor, key: Tensor, value: Tensor, lengths: list[int], *
         )
     ]
     return torch.cat(outs, dim=2)
-
-
-def _sdpa_by_length(
-    query: Tensor, key: Tensor, value: Tensor, lengths: list[int], *, scale: float | None, gqa: bool
-) -> Tensor:
-    """:func:`varlen_sdpa` with the sequences of one length batched into one sdpa call.
-
-    A GRPO group's samples share their prompt and often their length (all of them when completions run
-    to ``max_tokens``), so a micro-batch of 64 sequences has a handful of distinct lengths: a few calls
-    instead of 64 per layer, forward and backward — at small sizes the per-call overhead was most of the
-    attention's time. Each (sequence, head) is still its own causal softmax; the tokens are permuted so
-    equal lengths sit together, viewed as ``[n, H, L, D]``, and permuted back (one gather each way).
-    """
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)  # stable: equal lengths keep row order
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    perm = torch.from_numpy(np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in order]))
-    perm = perm.to(query.device)
-    q, k, v = (x.index_select(2, perm) for x in (query, key, value))
-    blocks, at = [], 0
-    for length, run in itertools.groupby(lengths[i] for i in order):
-        n = len(list(run))
-        span = slice(at, at + n * length)
-
-        def rows(x: Tensor, span: slice = span, n: int = n, length: int = length) -> Tensor:
-            return x[0, :, span].unflatten(1, (n, length)).transpose(0, 1)  # [H, nL, D] -> [n, H, L, D]
-
-        out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), is_causal=True, scale=scale, enable_gqa=gqa)
-        blocks.append(out.transpose(0, 1).flatten(1, 2))  # [H, nL, D]
-        at += n * length
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-    return torch.cat(blocks, dim=1).index_select(1, inverse)[None]
 
 
 def _lengths(query: Tensor, kwargs: dict) -> list[int]:

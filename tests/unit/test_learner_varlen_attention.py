@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -51,49 +50,6 @@ def test_varlen_sdpa_equals_each_sequence_alone(heads: int, kv_heads: int) -> No
     want_grads = torch.autograd.grad(want, (q, k, v), upstream)
     for got, exp in zip(got_grads, want_grads, strict=True):
         assert_close(got, exp, atol=1e-5, rtol=1e-5)
-
-
-class _AttentionCalls(TorchDispatchMode):
-    """Counts the attention kernels (forward and backward) that run."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if "scaled_dot_product" in func.__name__ or "flash_attention" in func.__name__:
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
-
-
-@pytest.mark.parametrize(("heads", "kv_heads"), [(2, 2), (4, 2)])
-def test_equal_lengths_share_one_call_and_give_identical_numbers(heads: int, kv_heads: int) -> None:
-    """A GRPO-like row (groups of equal lengths, one odd one out): one kernel per distinct length, and the
-    output and gradients bit-for-bit those of one call per sequence."""
-    g = torch.Generator().manual_seed(7 + heads)
-    lengths = [13, 13, 9, 13, 40, 9, 13, 9]
-    total, dim = sum(lengths), 32
-    q = torch.randn(1, heads, total, dim, generator=g, requires_grad=True)
-    k = torch.randn(1, kv_heads, total, dim, generator=g, requires_grad=True)
-    v = torch.randn(1, kv_heads, total, dim, generator=g, requires_grad=True)
-    with _AttentionCalls() as counter:
-        out = varlen_sdpa(q, k, v, lengths, scale=None)
-    assert counter.calls == len(set(lengths))
-    gqa = heads != kv_heads
-    alone = torch.cat(
-        [
-            F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=gqa)
-            for a, b, c in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2), strict=True)
-        ],
-        dim=2,
-    )
-    assert torch.equal(out, alone)
-    upstream = torch.randn(out.shape, generator=g)
-    got = torch.autograd.grad(out, (q, k, v), upstream)
-    want = torch.autograd.grad(alone, (q, k, v), upstream)
-    for a, b in zip(got, want, strict=True):
-        assert torch.equal(a, b)
-    assert_close(out, _reference(q, k, v, lengths), atol=1e-5, rtol=1e-5)
 
 
 def test_boundaries_from_position_ids_match_the_lengths() -> None:
