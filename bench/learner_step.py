@@ -15,14 +15,14 @@ switched off alone against all on, in blocks whose order alternates from repeat 
 * ``local_clip``: gradient clipping on the local tensors of the one-rank mesh — off: ``clip_grad_norm_``
   on the DTensors (DTensor dispatch and one-rank reductions).
 
-The step's other fixed costs that were cut (NumPy-built micro-batches, one host sync for the metrics, no
-group broadcast on one rank) are plain code changes with no switch; they were measured against the
-previous commit (docs/PERFORMANCE.md's lean-step section).
+The step's other cuts (NumPy-built micro-batches, one host sync for the metrics, no group broadcast on
+one rank) have no switch: ``tests/unit/test_trainer_lean_step.py`` keeps the code they replaced as its
+bit-identity reference, and they were measured by swapping that code back in step by step (issue 23).
 
 Figures (seconds of the baseline over seconds with every lever on; no goal, they say what a lever is
 worth): ``learner_step/step_vs_all_off`` (the whole step: train + what publication leaves on the critical
 path), ``learner_step/critical_publish_vs_<lever off>``, ``learner_step/optimizer_vs_loop`` and
-``learner_step/train_vs_<lever>_off`` (the training part of the step).
+``learner_step/train_vs_local_clip_off`` (the training part of the step).
 """
 
 from __future__ import annotations
