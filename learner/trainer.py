@@ -3,7 +3,7 @@
 Independent of Redis and of weight sync, so tests drive it with fixed batches (the 1-vs-2-rank and the
 checkpoint/resume equivalences). Every rank holds the same groups and derives the same plan, so the
 only collectives are FSDP's own, the gradient-norm reduction inside ``clip_grad_norm_`` and one
-all-reduce of the metrics.
+all-reduce of the metrics (on one rank neither: :func:`clip_grad_norm`, :class:`MetricSums`).
 
 With a critic (``algorithm.adv_estimator: gae``) a step first scores the samples with it, then runs the
 advantage estimator (:mod:`learner.advantages`), updates the critic, and updates the actor unless the
