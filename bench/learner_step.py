@@ -11,11 +11,18 @@ switched off alone against all on, in blocks whose order alternates from repeat 
 * ``background``: publication off the critical path (``publish(..., background=True)``, what the learner
   does with ``max_staleness`` ≥ 1) — off: the synchronous publish a ``max_staleness: 0`` run makes;
 * ``fused_adamw``: one fused AdamW kernel — off: the per-tensor loop torch picks for CPU DTensors;
-* ``local_shard``: the sender reads a one-rank shard as it is — off: an all-gather per parameter.
+* ``local_shard``: the sender reads a one-rank shard as it is — off: an all-gather per parameter;
+* ``local_clip``: gradient clipping on the local tensors of the one-rank mesh — off: ``clip_grad_norm_``
+  on the DTensors (DTensor dispatch and one-rank reductions).
+
+The step's other cuts (NumPy-built micro-batches, one host sync for the metrics, no group broadcast on
+one rank) have no switch: ``tests/unit/test_trainer_lean_step.py`` keeps the code they replaced as its
+bit-identity reference, and they were measured by swapping that code back in step by step (issue 23).
 
 Figures (seconds of the baseline over seconds with every lever on; no goal, they say what a lever is
 worth): ``learner_step/step_vs_all_off`` (the whole step: train + what publication leaves on the critical
-path), ``learner_step/critical_publish_vs_<lever off>`` and ``learner_step/optimizer_vs_loop``.
+path), ``learner_step/critical_publish_vs_<lever off>``, ``learner_step/optimizer_vs_loop`` and
+``learner_step/train_vs_local_clip_off`` (the training part of the step).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import figure, ordered, report
 
-LEVERS = ("background", "fused_adamw", "local_shard")
+LEVERS = ("background", "fused_adamw", "local_shard", "local_clip")
 
 
 class Learner:
@@ -43,6 +50,7 @@ class Learner:
         import torch.distributed as dist
         import yaml
 
+        from learner import trainer as trainer_module
         from learner.parallelize import load_model, parallelize
         from learner.synthetic import make_groups
         from learner.trainer import Trainer
@@ -79,6 +87,7 @@ class Learner:
         self.groups = make_groups(8, 8, vocab=self.model.config.vocab_size, seed=0, completion_len=(8, 8))
         self.version = 0
         self._module, self._local = sender_module, sender_module._full
+        self._trainer_module, self._clip = trainer_module, trainer_module.clip_grad_norm
         self._opt_seconds: list[float] = []
         step = self.trainer.optimizer.step
 
@@ -98,13 +107,17 @@ class Learner:
             group["fused"], group["foreach"] = (None, False) if "fused_adamw" in off else (True, None)
         gathered = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731
         self._module._full = gathered if "local_shard" in off else self._local
+        self._trainer_module.clip_grad_norm = (
+            (lambda model, max_norm, world: self._clip(model, max_norm, world=2)) if "local_clip" in off else self._clip
+        )  # the world > 1 path: clip_grad_norm_ on the DTensors
         background = "background" not in off
-        total, publish = [], []
+        total, publish, train = [], [], []
         self._opt_seconds.clear()
         for _ in range(steps):
             start = time.perf_counter()
             self.trainer.train_step(self.groups, version=self.version)
             trained = time.perf_counter()
+            train.append(trained - start)
             self.sender.wait()  # the learner waits for the previous publication at the end of the next step
             self.version += 1
             self.sender.publish(self.version, background=background)
@@ -115,6 +128,7 @@ class Learner:
             "step": statistics.median(total),
             "publish": statistics.median(publish),
             "optimizer": statistics.median(self._opt_seconds),
+            "train": statistics.median(train),
         }
 
     def close(self) -> None:
@@ -146,10 +160,12 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({side: learner.block(sides[side], steps) for side in ordered(list(sides), k)})
         finally:
             learner.close()
-    print(f"{'lever off':>12} {'s/step':>8} {'publish s':>10} {'optimizer s':>12}  (medians; demo size, 1 rank)")
+    print(
+        f"{'lever off':>18} {'s/step':>8} {'train s':>8} {'publish s':>10} {'optimizer s':>12}  (medians; demo, 1 rank)"
+    )
     for side in ["none", *LEVERS, "all"]:
-        med = {k: statistics.median(r[side][k] for r in rows) for k in ("step", "publish", "optimizer")}
-        print(f"{side:>12} {med['step']:>8.4f} {med['publish']:>10.4f} {med['optimizer']:>12.4f}")
+        med = {k: statistics.median(r[side][k] for r in rows) for k in ("step", "train", "publish", "optimizer")}
+        print(f"{side:>18} {med['step']:>8.4f} {med['train']:>8.4f} {med['publish']:>10.4f} {med['optimizer']:>12.4f}")
     what = "demo model 64x2, 8x8 samples, 8 tokens, 1 gloo rank, filesystem publish to 1 receiver"
     figures = [
         figure(
@@ -157,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             [r["all"]["step"] / r["none"]["step"] for r in rows],
             goal=None,
             direction="min",
-            baseline=f"the same step with all three levers off (sync publish, AdamW loop, all-gather); {what}",
+            baseline="the step with every lever off (sync publish, AdamW loop, all-gather, clipping on "
+            f"DTensors); {what}",
         ),
         figure(
             "learner_step/optimizer_vs_loop",
@@ -175,6 +192,16 @@ def main(argv: list[str] | None = None) -> int:
                 goal=None,
                 direction="min",
                 baseline=f"publication's time on the critical path with {lever} off; {what}",
+            )
+        )
+    for lever in ("local_clip",):
+        figures.append(
+            figure(
+                f"learner_step/train_vs_{lever}_off",
+                [r[lever]["train"] / r["none"]["train"] for r in rows],
+                goal=None,
+                direction="min",
+                baseline=f"the training part of the step with {lever} off; {what}",
             )
         )
     for f in figures:

@@ -173,6 +173,8 @@ def broadcast_groups(
 ) -> tuple[list[GroupData], int]:
     """Rank ``src`` passes its groups (and a stop code: 0 go on, any other value says why to stop);
     every rank returns the same decoded groups and code."""
+    if dist.get_world_size() == 1:  # no other rank: nothing to encode or send
+        return list(groups or []), int(stop)
     rank = dist.get_rank()
     if rank == src:
         header, raw = pack_groups(list(groups or []), stop=stop)

@@ -26,6 +26,7 @@ def test_bench_quick_reports_each_lever_against_the_step_without_it(tmp_path: Pa
         "learner_step/optimizer_vs_loop",
         "learner_step/critical_publish_vs_background_off",
         "learner_step/critical_publish_vs_local_shard_off",
+        "learner_step/train_vs_local_clip_off",
     }
     for f in figures.values():
         assert f["ratio"] > 0 and f["spread"][0] <= f["ratio"] <= f["spread"][1] and f["repeats"] >= 3
