@@ -191,6 +191,13 @@ def report(size: str, trials: dict[str, list[dict]], skip: int) -> dict:
         mean = [statistics.fmean(c[i] for c in curves) for i in range(n)]
         out[f"reward_{system}"] = mean
         print(f"  {system:<6}" + " ".join(f"{r:.2f}" for r in mean))
+    # Per seed, because a mean over 3 seeds hides a collapsed run (one prompt class locked onto another's
+    # characters happens to about a third of runs at this lr in every system; docs/STALENESS.md).
+    print("reward over the last 5 steps, per seed:")
+    for system in SYSTEMS:
+        finals = [statistics.fmean(t["rewards"][-5:]) for t in trials[system]]
+        out[f"final_reward_{system}"] = finals
+        print(f"  {system:<6}" + " ".join(f"{r:.2f}" for r in finals) + f"   median {statistics.median(finals):.2f}")
     return out
 
 
