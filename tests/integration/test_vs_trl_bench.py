@@ -34,4 +34,5 @@ def test_vs_trl_quick(tmp_path: Path) -> None:
         assert len(result["s_per_step"][system]) == 1 and result["s_per_step"][system][0] > 0
         assert len(result[f"reward_{system}"]) == 6  # one mean reward per step
         assert all(0.0 <= r <= 1.0 for r in result[f"reward_{system}"])
+        assert len(result[f"final_reward_{system}"]) == 1 and 0.0 <= result[f"final_reward_{system}"][0] <= 1.0
     assert result["ratio_trl"] == [1.0]
