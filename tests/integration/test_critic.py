@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -142,6 +143,8 @@ def test_tether_up_with_gae_raises_explained_variance(tmp_path: Path, tiny_model
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("reward/mean") is not None]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     ev = [r["critic/vf_explained_var"] for r in rows]
-    early, late = sum(ev[:3]) / 3, sum(ev[-3:]) / 3
+    # Medians, not means: one batch whose returns hardly vary gives an explained variance of -6 or so
+    # (its denominator is near 0), and a mean would let that one batch decide the test.
+    early, late = statistics.median(ev[:3]), statistics.median(ev[-3:])
     assert late > early + 0.1, ev
     assert all(set(CRITIC_KEYS) <= set(r) for r in rows)
