@@ -1,4 +1,5 @@
-"""Small helpers shared by tests: process liveness without races on zombies, a tiny random Qwen2 model."""
+"""Small helpers shared by tests: process liveness without races on zombies, a tiny random Qwen2 model, leaving a
+spawned gloo group cleanly."""
 
 from __future__ import annotations
 
@@ -18,6 +19,22 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def leave_group() -> None:
+    """End a spawned rank's process group together with its peers and with nothing of FSDP's left to free.
+
+    Call after dropping the rank's models and trainers. FSDP modules sit in reference cycles that only the
+    collector frees; left to interpreter shutdown, a gloo thread can drop the last reference to a tensor
+    without the GIL and abort the rank ("terminate called without an active exception"). The barrier keeps
+    a rank from tearing down while its peer is still in a collective."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:

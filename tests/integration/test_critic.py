@@ -29,6 +29,7 @@ from learner.critic import build_critic
 from learner.parallelize import load_model, parallelize
 from learner.synthetic import make_groups
 from learner.trainer import Trainer
+from tests.helpers import leave_group
 from tests.integration.test_up import REPO, write_config
 from tether.config import TetherConfig
 from tether.metrics import read_metrics
@@ -100,7 +101,8 @@ def _ranks_worker(rank: int, world: int, port: int, model_dir: str, out: str) ->
     results = [trainer.train_step(_groups(s), version=0, step=s) for s in range(2)]
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    del trainer
+    leave_group()
 
 
 def test_two_ranks_match_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
+from tests.helpers import leave_group
 from tether.redis_server import free_port
 
 pytestmark = pytest.mark.slow
@@ -87,7 +88,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, scenario
         Path(out, f"{scenario}.json").write_text(json.dumps(results))
         tensors = {k: v.contiguous() for k, v in full.items() if k != "lm_head.weight"}  # tied to the embedding
         save_file(tensors, str(Path(out, f"{scenario}.st")))
-    dist.destroy_process_group()
+    del trainer, model, ref, full
+    leave_group()
 
 
 def _spawn(world: int, model_dir: Path, out: Path, scenario: str, **overrides) -> tuple[list[dict], dict]:

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
+from tests.helpers import leave_group
 from tether.redis_server import free_port
 
 pytestmark = pytest.mark.slow
@@ -66,7 +67,8 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
         Path(out, "result.json").write_text(json.dumps({"names": names, "stored": stored, "row": row,
                                                          "resumed": resumed}))  # fmt: skip
         save_file({k: v.contiguous() for k, v in full.items()}, str(Path(out, "trained.st")))
-    dist.destroy_process_group()
+    del model, trainer, fresh, fresh_trainer
+    leave_group()
 
 
 def test_lora_trains_adapters_only_and_exports_adapter_and_merged(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
+from tests.helpers import leave_group
 from tether.redis_server import free_port
 
 pytestmark = pytest.mark.slow
@@ -74,7 +75,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
         if rank == 0:
             Path(out, f"sp{sp}.json").write_text(json.dumps(rows))
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(out, f"sp{sp}.st")))
-    dist.destroy_process_group()
+    leave_group()
 
 
 def test_sp2_gives_the_losses_and_gradients_of_sp1(tiny_model_dir: Path, tmp_path: Path) -> None:
