@@ -17,6 +17,7 @@ are built in and the loop.
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -53,6 +54,9 @@ def run(cfg: TetherConfig, *, resume: bool = False) -> int:
     try:
         return Learner(cfg, rank=rank, world=world, device=device, resume=resume).run()
     finally:
+        # FSDP modules sit in reference cycles: freed now, not at interpreter shutdown, where a gloo thread
+        # dropping a tensor's last reference without the GIL aborts the process after a successful run.
+        gc.collect()
         dist.destroy_process_group()
 
 
