@@ -11,6 +11,8 @@ switched off alone against all on, in blocks whose order alternates from repeat 
 * ``background``: publication off the critical path (``publish(..., background=True)``, what the learner
   does with ``max_staleness`` ≥ 1) — off: the synchronous publish a ``max_staleness: 0`` run makes;
 * ``fused_adamw``: one fused AdamW kernel — off: the per-tensor loop torch picks for CPU DTensors;
+* ``local_adamw``: AdamW's kernels on the local shards (:class:`learner.optim.LocalAdamW`) — off: the same
+  kernels through DTensor dispatch;
 * ``local_shard``: the sender reads a one-rank shard as it is — off: an all-gather per parameter;
 * ``local_clip``: gradient clipping on the local tensors of the one-rank mesh — off: ``clip_grad_norm_``
   on the DTensors (DTensor dispatch and one-rank reductions).
@@ -21,8 +23,9 @@ bit-identity reference, and they were measured by swapping that code back in ste
 
 Figures (seconds of the baseline over seconds with every lever on; no goal, they say what a lever is
 worth): ``learner_step/step_vs_all_off`` (the whole step: train + what publication leaves on the critical
-path), ``learner_step/critical_publish_vs_<lever off>``, ``learner_step/optimizer_vs_loop`` and
-``learner_step/train_vs_local_clip_off`` (the training part of the step).
+path), ``learner_step/critical_publish_vs_<lever off>``, ``learner_step/optimizer_vs_loop``,
+``learner_step/optimizer_vs_local_adamw_off`` and ``learner_step/train_vs_<lever>_off`` for
+``local_clip`` and ``local_adamw`` (the training part of the step).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import figure, ordered, report
 
-LEVERS = ("background", "fused_adamw", "local_shard", "local_clip")
+LEVERS = ("background", "fused_adamw", "local_adamw", "local_shard", "local_clip")
 
 
 class Learner:
@@ -51,6 +54,7 @@ class Learner:
         import yaml
 
         from learner import trainer as trainer_module
+        from learner.optim import LocalAdamW
         from learner.parallelize import load_model, parallelize
         from learner.synthetic import make_groups
         from learner.trainer import Trainer
@@ -88,6 +92,7 @@ class Learner:
         self.version = 0
         self._module, self._local = sender_module, sender_module._full
         self._trainer_module, self._clip = trainer_module, trainer_module.clip_grad_norm
+        self._optimizer_class = LocalAdamW
         self._opt_seconds: list[float] = []
         step = self.trainer.optimizer.step
 
@@ -105,6 +110,7 @@ class Learner:
 
         for group in self.trainer.optimizer.param_groups:
             group["fused"], group["foreach"] = (None, False) if "fused_adamw" in off else (True, None)
+        self._optimizer_class.local_step = "local_adamw" not in off
         gathered = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731
         self._module._full = gathered if "local_shard" in off else self._local
         self._trainer_module.clip_grad_norm = (
@@ -173,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             [r["all"]["step"] / r["none"]["step"] for r in rows],
             goal=None,
             direction="min",
-            baseline="the step with every lever off (sync publish, AdamW loop, all-gather, clipping on "
-            f"DTensors); {what}",
+            baseline="the step with every lever off (sync publish, AdamW loop through DTensor dispatch, "
+            f"all-gather, clipping on DTensors); {what}",
         ),
         figure(
             "learner_step/optimizer_vs_loop",
@@ -182,6 +188,13 @@ def main(argv: list[str] | None = None) -> int:
             goal=None,
             direction="min",
             baseline=f"optimizer.step with torch's per-tensor AdamW loop on CPU DTensors; {what}",
+        ),
+        figure(
+            "learner_step/optimizer_vs_local_adamw_off",
+            [r["local_adamw"]["optimizer"] / r["none"]["optimizer"] for r in rows],
+            goal=None,
+            direction="min",
+            baseline=f"optimizer.step with the fused AdamW kernel through DTensor dispatch; {what}",
         ),
     ]
     for lever in ("background", "local_shard"):
@@ -194,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                 baseline=f"publication's time on the critical path with {lever} off; {what}",
             )
         )
-    for lever in ("local_clip",):
+    for lever in ("local_clip", "local_adamw"):
         figures.append(
             figure(
                 f"learner_step/train_vs_{lever}_off",

@@ -32,6 +32,7 @@ from learner.critic import Critic
 from learner.logprobs import dummy_loss, forward_micro_batch
 from learner.losses import get_policy_loss
 from learner.offload import activation_offload
+from learner.optim import build_optimizer
 from learner.packing import Sample, make_micro_batch, per_token, plan_micro_batches, plan_within_ranks
 from tether.config import TetherConfig
 from tether.logs import get_logger
@@ -138,16 +139,7 @@ class Trainer:
         mini = lc.ppo_mini_batch_size or lc.train_batch_size
         self.n_mini = lc.train_batch_size // mini
         trainable = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            trainable,
-            lr=lc.lr,
-            betas=lc.betas,
-            eps=lc.eps,
-            weight_decay=lc.weight_decay,
-            # One fused kernel per step instead of the per-tensor loop torch picks for CPU DTensors (~10x
-            # the optimizer step at the demo size, busy 2-core box); torchtitan's default implementation.
-            fused=all(p.device.type in ("cpu", "cuda") for p in trainable) or None,
-        )
+        self.optimizer = build_optimizer(cfg, trainable)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.n_mini * lc.ppo_epochs))
         self.pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
         # The metric keys of one micro-batch, from an empty call: every rank reduces the same keys.

@@ -24,6 +24,8 @@ def test_bench_quick_reports_each_lever_against_the_step_without_it(tmp_path: Pa
     assert set(figures) == {
         "learner_step/step_vs_all_off",
         "learner_step/optimizer_vs_loop",
+        "learner_step/optimizer_vs_local_adamw_off",
+        "learner_step/train_vs_local_adamw_off",
         "learner_step/critical_publish_vs_background_off",
         "learner_step/critical_publish_vs_local_shard_off",
         "learner_step/train_vs_local_clip_off",
