@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import json
 import struct
+from dataclasses import fields
 from functools import lru_cache
-from itertools import accumulate, chain
+from itertools import accumulate, chain, repeat
+from operator import attrgetter
 
 import numpy as np
 
@@ -58,7 +60,16 @@ _COLUMNS = (
     ("prompt_token_ids", TOKEN_DTYPE, "np"),
     ("loss_mask", MASK_DTYPE, "nc"),
 )
+_dtype, _ndim = attrgetter("dtype"), attrgetter("ndim")
 _BYTES_PER_COMPLETION_TOKEN = sum(d.itemsize for _, d, counted in _COLUMNS if counted == "nc")
+# The order of TrajectoryData's fields, in which the decoder passes them positionally.
+_FIELDS = (
+    "prompt_token_ids", "completion_token_ids", "behavior_logprobs", "policy_versions", "loss_mask", "reward",
+    "reward_components", "finish_reason", "id", "group_id", "server_id", "logprob_source", "metadata",
+    "started_at", "finished_at",
+)  # fmt: skip
+if tuple(f.name for f in fields(TrajectoryData)) != _FIELDS:
+    raise ImportError("buffer.columnar: TrajectoryData's fields changed order; update _FIELDS and decode_columnar")
 _MAX_GROUP = 1 << 16  # trajectories per group: far above any G, and a bound on what a header may claim
 
 
@@ -148,8 +159,20 @@ def encode_columnar(g: GroupData) -> tuple[bytes, int, int]:
     total_c, total_p = sum(n_completion), sum(n_prompt)
     parts = [_PREFIX.pack(MAGIC, VERSION, g_count, len(head) + pad, 0), numbers, head, b" " * pad]
     for name, dtype, _ in _COLUMNS:  # joined straight from the arrays' own buffers: the one copy
-        parts += [_column_piece(getattr(t, name), dtype, name) for t in ts]
-    payload = b"".join(parts)
+        column = list(map(attrgetter(name), ts))
+        # The usual case, checked in C for the whole column: 1-D numpy arrays of the wire's dtype. A
+        # strided one makes the join raise BufferError; then every array takes the per-array path, which
+        # converts it or names the problem.
+        if not (_only(column, np.ndarray) and set(map(_dtype, column)) == {dtype} and set(map(_ndim, column)) == {1}):
+            column = [_column_piece(a, dtype, name) for a in column]
+        parts += column
+    expected = start + total_c * _BYTES_PER_COMPLETION_TOKEN + total_p * TOKEN_DTYPE.itemsize
+    try:
+        payload = b"".join(parts)
+    except BufferError:
+        payload = b""
+    if len(payload) != expected:
+        payload = b"".join(parts[:4] + [_column_piece(getattr(t, n), d, n) for n, d, _ in _COLUMNS for t in ts])
     views = _views(payload, start, total_c, total_p)
     return payload, _check_columns(views, ts), sum(n_completion)
 
@@ -290,46 +313,32 @@ def decode_columnar(data: bytes) -> tuple[GroupData, int]:
     views = _views(data, start, total_c, total_p)
     bounds_c = list(zip([0, *accumulate(n_completion)], accumulate(n_completion), strict=False))
     bounds_p = list(zip([0, *accumulate(n_prompt)], accumulate(n_prompt), strict=False))
-    split = {
+    cut = {
         name: [v[a:b] for a, b in (bounds_p if counted == "np" else bounds_c)]
         for (name, _, counted), v in zip(_COLUMNS, views.values(), strict=True)
     }
     gid = head["g"]
-    trajectories = [
-        TrajectoryData(
-            prompt_token_ids=prompt,
-            completion_token_ids=tokens,
-            behavior_logprobs=logprobs,
-            policy_versions=versions,
-            loss_mask=mask,
-            reward=reward,
-            reward_components=rc,
-            finish_reason=fr,
-            id=tid,
-            group_id=gid,
-            server_id=sid,
-            logprob_source=source,
-            metadata=tm,
-            started_at=t0,
-            finished_at=t1,
-        )
-        for prompt, tokens, logprobs, versions, mask, reward, rc, fr, tid, sid, source, tm, t0, t1 in zip(
-            split["prompt_token_ids"],
-            split["completion_token_ids"],
-            split["behavior_logprobs"],
-            split["policy_versions"],
-            split["loss_mask"],
+    # Positional, through one C-level ``map``: keyword construction in a Python loop cost as much as the
+    # rest of the decode. The argument order is ``_FIELDS``, checked against the dataclass at import.
+    trajectories = list(
+        map(
+            TrajectoryData,
+            cut["prompt_token_ids"],
+            cut["completion_token_ids"],
+            cut["behavior_logprobs"],
+            cut["policy_versions"],
+            cut["loss_mask"],
             rewards,
             head["rc"],
             reasons,
             head["id"],
+            repeat(gid, g),
             head["s"],
             head["ls"],
             head["tm"],
             started,
             finished,
-            strict=True,
         )
-    ]
+    )
     oldest = _check_columns(views, trajectories)
     return GroupData(group_id=gid, trajectories=trajectories, prompt_id=head["p"], metadata=head["m"]), oldest
