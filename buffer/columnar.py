@@ -257,8 +257,29 @@ def _list(head: dict, key: str, g: int, kind: type) -> list:
     return value
 
 
+def _header_ok(head: object, g: int) -> bool:
+    """Whether the header passes every check of :func:`_check_header`, in a few C-level passes."""
+    if type(head) is not dict:
+        return False
+    gid, ids, servers, sources, rcs, tms = map(head.get, ("g", "id", "s", "ls", "rc", "tm"))
+    lists = (ids, servers, sources, rcs, tms)
+    return (
+        type(gid) is str
+        and gid != ""
+        and type(head.get("p")) is str
+        and _only(lists, list)
+        and set(map(len, lists)) == {g}
+        and _only(chain(ids, servers, sources), str)
+        and all(ids)
+        and _num_maps(rcs)
+        and _str_maps([head.get("m"), *tms])
+    )
+
+
 def _check_header(head: object, g: int) -> None:
     """Raises :class:`InvalidTrajectory` naming the first header field that is missing or of the wrong type."""
+    if _header_ok(head, g):
+        return
     if type(head) is not dict:
         raise InvalidTrajectory("columnar payload: the header is not a JSON object")
     for key in ("g", "p"):
