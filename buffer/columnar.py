@@ -33,7 +33,6 @@ import struct
 from dataclasses import fields
 from functools import lru_cache
 from itertools import accumulate, chain, repeat
-from operator import attrgetter
 
 import numpy as np
 
@@ -60,7 +59,6 @@ _COLUMNS = (
     ("prompt_token_ids", TOKEN_DTYPE, "np"),
     ("loss_mask", MASK_DTYPE, "nc"),
 )
-_dtype, _ndim = attrgetter("dtype"), attrgetter("ndim")
 _BYTES_PER_COMPLETION_TOKEN = sum(d.itemsize for _, d, counted in _COLUMNS if counted == "nc")
 # The order of TrajectoryData's fields, in which the decoder passes them positionally.
 _FIELDS = (
@@ -159,20 +157,8 @@ def encode_columnar(g: GroupData) -> tuple[bytes, int, int]:
     total_c, total_p = sum(n_completion), sum(n_prompt)
     parts = [_PREFIX.pack(MAGIC, VERSION, g_count, len(head) + pad, 0), numbers, head, b" " * pad]
     for name, dtype, _ in _COLUMNS:  # joined straight from the arrays' own buffers: the one copy
-        column = list(map(attrgetter(name), ts))
-        # The usual case, checked in C for the whole column: 1-D numpy arrays of the wire's dtype. A
-        # strided one makes the join raise BufferError; then every array takes the per-array path, which
-        # converts it or names the problem.
-        if not (_only(column, np.ndarray) and set(map(_dtype, column)) == {dtype} and set(map(_ndim, column)) == {1}):
-            column = [_column_piece(a, dtype, name) for a in column]
-        parts += column
-    expected = start + total_c * _BYTES_PER_COMPLETION_TOKEN + total_p * TOKEN_DTYPE.itemsize
-    try:
-        payload = b"".join(parts)
-    except BufferError:
-        payload = b""
-    if len(payload) != expected:
-        payload = b"".join(parts[:4] + [_column_piece(getattr(t, n), d, n) for n, d, _ in _COLUMNS for t in ts])
+        parts += [_column_piece(getattr(t, name), dtype, name) for t in ts]
+    payload = b"".join(parts)
     views = _views(payload, start, total_c, total_p)
     return payload, _check_columns(views, ts), sum(n_completion)
 
