@@ -95,7 +95,15 @@ class TrajectoryWriter:
                 compress_min_bytes=self.cfg.compress_min_bytes,
                 level=self.cfg.compress_level,
             )
-            encoded.append(self._prepare(group.group_id, enc.codec, enc.payload, enc.oldest_version, enc.tokens))
+            encoded.append(
+                self._prepare(
+                    group.group_id,
+                    codec=enc.codec,
+                    payload=enc.payload,
+                    oldest_version=enc.oldest_version,
+                    tokens=enc.tokens,
+                )
+            )
         return self._insert(encoded, timeout_s)
 
     def put_encoded(
@@ -109,9 +117,12 @@ class TrajectoryWriter:
         timeout_s: float | None = None,
     ) -> str | None:
         """:meth:`put` for a payload already encoded by :func:`buffer.codec.encode_payload`."""
-        return self._insert([self._prepare(group_id, codec, payload, oldest_version, tokens)], timeout_s)[0]
+        return self._insert(
+            [self._prepare(group_id, codec=codec, payload=payload, oldest_version=oldest_version, tokens=tokens)],
+            timeout_s,
+        )[0]
 
-    def _prepare(self, group_id: str, codec: bytes, payload: bytes, oldest_version: int, tokens: int) -> _Put:
+    def _prepare(self, group_id: str, *, codec: bytes, payload: bytes, oldest_version: int, tokens: int) -> _Put:
         nonce = f"{self._nonce_prefix}-{next(self._count)}"
         keys = [self.keys.trajectories, self.keys.seen(group_id), self.keys.counters, self.keys.payload(nonce)]
         cfg = self.cfg
@@ -129,7 +140,7 @@ class TrajectoryWriter:
         out: list[str | None] = []
         for i, (put, reply) in enumerate(zip(puts, replies, strict=True)):
             try:
-                out.append(self._finish(put, reply, deadline, timeout, ttl_ms))
+                out.append(self._finish(put, reply, deadline=deadline, timeout=timeout, ttl_ms=ttl_ms))
             except BufferFull:
                 # The later groups that found no room either: their payloads go too (their TTL would free
                 # them, but only after the grace period). Those that did fit (a smaller group under the
@@ -140,7 +151,7 @@ class TrajectoryWriter:
                 raise
         return out
 
-    def _finish(self, put: _Put, reply: list, deadline: float, timeout: float, ttl_ms: int) -> str | None:
+    def _finish(self, put: _Put, reply: list, *, deadline: float, timeout: float, ttl_ms: int) -> str | None:
         """Waits out a full stream for one group (the payload stays in Redis); its stream id or None."""
         backoff = _BACKOFF_START_S
         while True:
