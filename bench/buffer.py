@@ -6,8 +6,11 @@ For groups of G=8 completions of 1K, 4K and 16K tokens (int32 ids, float32 log-p
 uint8 masks, the sampling temperature and timestamps — what a rollout server writes, built by its own
 ``rollout_server.trajectories.build_trajectory``), it times put → read → ack through ``buffer`` (including
 the columnar encode and decode) and then XADD / XREADGROUP / XACK of the already-encoded bytes with plain
-redis-py, in the same pattern: a learner batch of 8 groups is put one by one, read in one call and
-acknowledged in one call. It prints groups/s, MB/s, the ratio buffer/raw (goal ≥ 0.8), the
+redis-py, in the same pattern: a learner batch of 8 groups is put, read in one call and acknowledged in
+one call. Each size runs twice: the 8 puts one by one against one XADD per group, then the 8 in one
+``put_many`` (what a rollout server can send for groups that finish together) against the 8 XADDs in one
+redis-py pipeline (what a user with 8 groups in hand would write), so batching is credited to neither
+side alone. It prints groups/s, MB/s, the ratio buffer/raw (goal ≥ 0.8), the
 serialization cost per group and the ``codec ceiling``: raw's time per group over raw's time plus one
 encode and one decode, the ratio the buffer would reach if every Redis command of its own cost nothing
 more than raw's — what the goal leaves for the codec. Without ``--redis-url`` it starts an embedded
@@ -96,15 +99,18 @@ def time_serialization(group: GroupData, cfg: BufferConfig, reps: int) -> tuple[
     return statistics.median(enc) * 1e6, statistics.median(dec) * 1e6, len(payload)
 
 
-def run_buffer(client, groups: list[GroupData], cfg: BufferConfig) -> float:
+def run_buffer(client, groups: list[GroupData], cfg: BufferConfig, *, batched: bool) -> float:
     keys = RedisKeys(f"bench-{uuid.uuid4().hex[:8]}")
     writer = TrajectoryWriter(client, keys, cfg)
     reader = TrajectoryReader(client, keys, cfg, consumer="bench")
     t0 = time.perf_counter()
     for start in range(0, len(groups), BATCH):
         batch = groups[start : start + BATCH]
-        for g in batch:
-            writer.put(g)
+        if batched:
+            writer.put_many(batch)
+        else:
+            for g in batch:
+                writer.put(g)
         got = reader.read(len(batch), current_version=3, max_staleness=4, block_ms=1000)
         assert len(got) == len(batch), f"read {len(got)} of {len(batch)}"
         reader.ack([b.entry_id for b in got])
@@ -115,14 +121,20 @@ def run_buffer(client, groups: list[GroupData], cfg: BufferConfig) -> float:
     return elapsed
 
 
-def run_raw(client, payloads: list[bytes]) -> float:
+def run_raw(client, payloads: list[bytes], *, batched: bool) -> float:
     stream = f"bench-raw-{uuid.uuid4().hex[:8]}"
     client.xgroup_create(stream, "g", id="0", mkstream=True)
     t0 = time.perf_counter()
     for start in range(0, len(payloads), BATCH):
         batch = payloads[start : start + BATCH]
-        for p in batch:
-            client.xadd(stream, {"d": p})
+        if batched:  # what a user with several groups in hand writes: one pipelined round trip
+            pipe = client.pipeline(transaction=False)
+            for p in batch:
+                pipe.xadd(stream, {"d": p})
+            pipe.execute()
+        else:
+            for p in batch:
+                client.xadd(stream, {"d": p})
         got = client.xreadgroup("g", "bench", {stream: ">"}, count=len(batch), block=1000)
         ids = [i for i, _ in got[0][1]]
         assert len(ids) == len(batch)
@@ -154,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             version = client.info("server")["redis_version"]
             print(f"redis {version}, G={G}, batch {BATCH} groups, compression {args.compression}, repeats {repeats}")
             header = (
-                f"{'tokens':>6} {'MB/group':>8} {'buffer g/s':>10} {'raw g/s':>9} {'buffer MB/s':>11} "
+                f"{'tokens':>6} {'puts':>26} {'MB/group':>8} {'buffer g/s':>10} {'raw g/s':>9} {'buffer MB/s':>11} "
                 f"{'raw MB/s':>9} {'ratio':>6} {'encode µs':>10} {'decode µs':>10} {'codec ceiling':>13}"
             )
             print(header)
@@ -175,33 +187,39 @@ def main(argv: list[str] | None = None) -> int:
                     for g in groups
                 ]
                 raw_bytes = sum(len(p) for p in payloads)
-                buf_s, raw_s = [], []
-                for k in range(repeats):  # back to back, order alternating: drift hits both paths alike
-                    for g in groups:  # fresh ids: a re-put of a known group id is (rightly) a no-op
-                        g.group_id = uuid.uuid4().hex
-                        for t in g.trajectories:
-                            t.group_id = g.group_id
-                    for side in ordered(["raw", "buffer"], k):
-                        if side == "raw":
-                            raw_s.append(run_raw(client, payloads))
-                        else:
-                            buf_s.append(run_buffer(client, groups, cfg))
-                b, r = statistics.median(buf_s), statistics.median(raw_s)
-                raw_us = r / n * 1e6
-                figures.append(
-                    figure(
-                        f"buffer/{tokens // 1024}K_tokens",
-                        [rs / bs for rs, bs in zip(raw_s, buf_s, strict=True)],
-                        goal=0.8,
-                        direction="min",
-                        baseline=f"raw XADD/XREADGROUP/XACK of the same encoded bytes (redis-py), G={G}, acks on",
+                for batched in (False, True):
+                    buf_s, raw_s = [], []
+                    for k in range(repeats):  # back to back, order alternating: drift hits both paths alike
+                        for g in groups:  # fresh ids: a re-put of a known group id is (rightly) a no-op
+                            g.group_id = uuid.uuid4().hex
+                            for t in g.trajectories:
+                                t.group_id = g.group_id
+                        for side in ordered(["raw", "buffer"], k):
+                            if side == "raw":
+                                raw_s.append(run_raw(client, payloads, batched=batched))
+                            else:
+                                buf_s.append(run_buffer(client, groups, cfg, batched=batched))
+                    b, r = statistics.median(buf_s), statistics.median(raw_s)
+                    raw_us = r / n * 1e6
+                    how = "put_many + pipelined XADDs" if batched else "one put / XADD per group"
+                    figures.append(
+                        figure(
+                            f"buffer/{tokens // 1024}K_tokens" + ("_put_many" if batched else ""),
+                            [rs / bs for rs, bs in zip(raw_s, buf_s, strict=True)],
+                            goal=0.8,
+                            direction="min",
+                            baseline=(
+                                "raw XADD/XREADGROUP/XACK of the same encoded bytes (redis-py), "
+                                + ("the batch's 8 XADDs in one pipeline" if batched else "one XADD per group")
+                                + f", G={G}, acks on"
+                            ),
+                        )
                     )
-                )
-                print(
-                    f"{tokens:>6} {nbytes / 2**20:>8.2f} {n / b:>10.1f} {n / r:>9.1f} {raw_bytes / 2**20 / b:>11.1f} "
-                    f"{raw_bytes / 2**20 / r:>9.1f} {r / b:>6.2f} {enc_us:>10.0f} {dec_us:>10.0f} "
-                    f"{raw_us / (raw_us + enc_us + dec_us):>13.2f}"
-                )
+                    print(
+                        f"{tokens:>6} {how:>26} {nbytes / 2**20:>8.2f} {n / b:>10.1f} {n / r:>9.1f} "
+                        f"{raw_bytes / 2**20 / b:>11.1f} {raw_bytes / 2**20 / r:>9.1f} {r / b:>6.2f} {enc_us:>10.0f} "
+                        f"{dec_us:>10.0f} {raw_us / (raw_us + enc_us + dec_us):>13.2f}"
+                    )
             client.close()
         finally:
             if embedded is not None:

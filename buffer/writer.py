@@ -1,13 +1,14 @@
 """Rollout servers' side of the trajectories stream: one idempotent, bounded insert per group.
 
 A put is one round trip: ``MULTI; SET payload:<nonce> <bytes> PX ttl; EVALSHA PUT; EXEC`` (see
-:mod:`buffer.scripts`). The duplicate check, the bound check and the append happen atomically, so a
-retried insert after a lost reply never creates a second entry (the retry's payload is deleted), and
-concurrent producers cannot overshoot the bound together. Nothing is left behind by a crash: the
-transaction runs whole or not at all, and a payload that waits for room carries a TTL. When the stream
-is full the producer re-runs only the small script with a growing back-off (the payload stays in Redis)
-until ``put_timeout_s`` and then raises :class:`BufferFull` (the rollout server answers
-RESOURCE_EXHAUSTED) — it never trims entries the learner has not used.
+:mod:`buffer.scripts`); :meth:`TrajectoryWriter.put_many` sends the SET and EVALSHA of several groups
+in that one MULTI, each EVALSHA still deciding for its own group. The duplicate check, the bound check
+and the append happen atomically, so a retried insert after a lost reply never creates a second entry (the
+retry's payload is deleted), and concurrent producers cannot overshoot the bound together. Nothing is left
+behind by a crash: the transaction runs whole or not at all, and a payload that waits for room carries a
+TTL. When the stream is full the producer re-runs only the small script with a growing back-off (the
+payload stays in Redis) until ``put_timeout_s`` and then raises :class:`BufferFull` (the rollout server
+answers RESOURCE_EXHAUSTED) — it never trims entries the learner has not used.
 
 The transaction is written straight onto a pooled connection rather than through ``client.pipeline()``:
 redis-py's pipeline machinery (and its ``SCRIPT EXISTS`` check before every scripted pipeline) costs
@@ -19,6 +20,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from dataclasses import dataclass
 
 import redis
 from redis.exceptions import NoScriptError, ResponseError
@@ -71,22 +73,38 @@ class TrajectoryWriter:
         Raises :class:`InvalidTrajectory` for a malformed group (before touching Redis) and
         :class:`BufferFull` when there is no room within ``timeout_s`` (default ``put_timeout_s``).
         """
-        if not group.group_id:
-            raise InvalidTrajectory("trajectory group has no group_id (it is the idempotency key of the insert)")
-        enc = encode_group_payload(
-            group,
-            compression=self.cfg.compression,
-            compress_min_bytes=self.cfg.compress_min_bytes,
-            level=self.cfg.compress_level,
-        )
-        return self.put_encoded(
-            group.group_id,
-            codec=enc.codec,
-            payload=enc.payload,
-            oldest_version=enc.oldest_version,
-            tokens=enc.tokens,
-            timeout_s=timeout_s,
-        )
+        return self.put_many([group], timeout_s=timeout_s)[0]
+
+    def put_many(self, groups: list[GroupData], *, timeout_s: float | None = None) -> list[str | None]:
+        """:meth:`put` for several groups in one round trip (groups that finished together); per group its
+        stream id or None (a duplicate). Each group stays its own idempotent, atomic insert: a batch is
+        never half a group, and a group id repeated within it is inserted once.
+
+        Every group is encoded before Redis is touched, so a malformed one raises
+        :class:`InvalidTrajectory` (naming it) with nothing inserted. :class:`BufferFull` once a group
+        still has no room after ``timeout_s``: the groups that found room stay inserted (a retry of the
+        batch finds them as duplicates), the others leave nothing behind.
+        """
+        encoded = []
+        for group in groups:
+            if not group.group_id:
+                raise InvalidTrajectory("trajectory group has no group_id (it is the idempotency key of the insert)")
+            enc = encode_group_payload(
+                group,
+                compression=self.cfg.compression,
+                compress_min_bytes=self.cfg.compress_min_bytes,
+                level=self.cfg.compress_level,
+            )
+            encoded.append(
+                self._prepare(
+                    group.group_id,
+                    codec=enc.codec,
+                    payload=enc.payload,
+                    oldest_version=enc.oldest_version,
+                    tokens=enc.tokens,
+                )
+            )
+        return self._insert(encoded, timeout_s)
 
     def put_encoded(
         self,
@@ -99,24 +117,43 @@ class TrajectoryWriter:
         timeout_s: float | None = None,
     ) -> str | None:
         """:meth:`put` for a payload already encoded by :func:`buffer.codec.encode_payload`."""
+        return self._insert(
+            [self._prepare(group_id, codec=codec, payload=payload, oldest_version=oldest_version, tokens=tokens)],
+            timeout_s,
+        )[0]
+
+    def _prepare(self, group_id: str, *, codec: bytes, payload: bytes, oldest_version: int, tokens: int) -> _Put:
+        nonce = f"{self._nonce_prefix}-{next(self._count)}"
+        keys = [self.keys.trajectories, self.keys.seen(group_id), self.keys.counters, self.keys.payload(nonce)]
+        cfg = self.cfg
+        args = [cfg.max_trajectory_groups, cfg.max_trajectory_bytes, self._ttl_ms, tokens, group_id, oldest_version,
+                codec, nonce]  # fmt: skip
+        return _Put(keys, args, payload)
+
+    def _insert(self, puts: list[_Put], timeout_s: float | None) -> list[str | None]:
+        if not puts:
+            return []
         timeout = self.cfg.put_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
-        nonce = f"{self._nonce_prefix}-{next(self._count)}"
-        payload_key = self.keys.payload(nonce)
-        keys = [self.keys.trajectories, self.keys.seen(group_id), self.keys.counters, payload_key]
-        args = [
-            self.cfg.max_trajectory_groups,
-            self.cfg.max_trajectory_bytes,
-            self._ttl_ms,
-            tokens,
-            group_id,
-            oldest_version,
-            codec,
-            nonce,
-        ]
-        payload_ttl_ms = int((timeout + _PENDING_PAYLOAD_GRACE_S) * 1000)
+        ttl_ms = int((timeout + _PENDING_PAYLOAD_GRACE_S) * 1000)
+        replies = self._put_with_payload(puts, ttl_ms)
+        out: list[str | None] = []
+        for i, (put, reply) in enumerate(zip(puts, replies, strict=True)):
+            try:
+                out.append(self._finish(put, reply, deadline=deadline, timeout=timeout, ttl_ms=ttl_ms))
+            except BufferFull:
+                # The later groups that found no room either: their payloads go too (their TTL would free
+                # them, but only after the grace period). Those that did fit (a smaller group under the
+                # byte bound) stay in; a retry of the batch finds them as duplicates.
+                waiting = [p.keys[3] for p, r in zip(puts[i + 1 :], replies[i + 1 :], strict=True) if int(r[0]) < 0]
+                if waiting:
+                    self.client.delete(*waiting)
+                raise
+        return out
+
+    def _finish(self, put: _Put, reply: list, *, deadline: float, timeout: float, ttl_ms: int) -> str | None:
+        """Waits out a full stream for one group (the payload stays in Redis); its stream id or None."""
         backoff = _BACKOFF_START_S
-        reply = self._put_with_payload(keys, args, payload, payload_ttl_ms)
         while True:
             status = int(reply[0])
             if status == 1:
@@ -125,7 +162,7 @@ class TrajectoryWriter:
                 return None
             now = time.monotonic()
             if status == -1 and now >= deadline:
-                self.client.delete(payload_key)  # no one will use it now; its TTL would free it anyway
+                self.client.delete(put.keys[3])  # no one will use it now; its TTL would free it anyway
                 depth, used = int(reply[1]), int(reply[2])
                 raise BufferFull(
                     f"trajectory buffer full for {timeout:g}s: {depth} unacknowledged groups "
@@ -134,17 +171,17 @@ class TrajectoryWriter:
                     "retry later, add learner capacity, or raise buffer.max_trajectory_* / algorithm.max_staleness"
                 )
             if status == -2:  # the waiting payload expired (or was evicted): send it again
-                reply = self._put_with_payload(keys, args, payload, payload_ttl_ms)
+                reply = self._put_with_payload([put], ttl_ms)[0]
                 continue
             time.sleep(min(backoff, max(0.0, deadline - now)))
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
-            reply = self._scripts.put(keys=keys, args=args)  # the payload is still in Redis
+            reply = self._scripts.put(keys=put.keys, args=put.args)  # the payload is still in Redis
 
-    def _put_with_payload(self, keys: list[str], args: list, payload: bytes, ttl_ms: int) -> list:
-        """``SET`` the payload and run PUT in one MULTI/EXEC round trip; PUT's reply."""
+    def _put_with_payload(self, puts: list[_Put], ttl_ms: int) -> list[list]:
+        """``SET`` each payload and run PUT for it, all in one MULTI/EXEC round trip; PUT's replies."""
         for attempt in range(3):
             try:
-                return self._transaction(keys, args, payload, ttl_ms)
+                return self._transaction(puts, ttl_ms)
             except NoScriptError:  # Redis restarted or SCRIPT FLUSH: load it, then the retry is safe
                 self.client.script_load(self._scripts.put.script)
             except (redis.ConnectionError, redis.TimeoutError):
@@ -154,22 +191,20 @@ class TrajectoryWriter:
                 time.sleep(_BACKOFF_START_S * (attempt + 1))
         raise NoScriptError("PUT script could not be loaded")
 
-    def _transaction(self, keys: list[str], args: list, payload: bytes, ttl_ms: int) -> list:
-        blob = b"".join(
-            [
-                _MULTI,
-                *_resp(("SET", keys[3], payload, "PX", ttl_ms)),
-                *_resp(("EVALSHA", self._scripts.put.sha, len(keys), *keys, *args)),
-                _EXEC,
-            ]
-        )
+    def _transaction(self, puts: list[_Put], ttl_ms: int) -> list[list]:
+        pieces = [_MULTI]
+        for p in puts:
+            pieces += _resp(("SET", p.keys[3], p.payload, "PX", ttl_ms))
+            pieces += _resp(("EVALSHA", self._scripts.put.sha, len(p.keys), *p.keys, *p.args))
+        pieces.append(_EXEC)
+        blob = b"".join(pieces)
         pool = self.client.connection_pool
         conn = pool.get_connection()
         try:
             # One send (one syscall, one wake-up of Redis) instead of one per chunk: copying the payload
             # once more costs less than the extra round of scheduling on a busy host.
             conn.send_packed_command([blob])
-            replies = [conn.read_response() for _ in range(3)]  # OK, QUEUED, QUEUED
+            replies = [conn.read_response() for _ in range(1 + 2 * len(puts))]  # OK, then QUEUED each
             result = conn.read_response()
         except BaseException:
             # Whatever was half read is unusable: drop the connection rather than hand it back
@@ -181,9 +216,18 @@ class TrajectoryWriter:
         for r in replies:
             if isinstance(r, ResponseError):
                 raise r
-        if not isinstance(result, list):
+        if not isinstance(result, list) or len(result) != 2 * len(puts):
             raise ResponseError(f"MULTI/EXEC of a buffer put returned {result!r}")
         for r in result:
             if isinstance(r, ResponseError):
                 raise r
-        return result[1]
+        return result[1::2]
+
+
+@dataclass(slots=True)
+class _Put:
+    """One group's insert: its PUT keys and arguments, and the payload stored under ``keys[3]``."""
+
+    keys: list[str]
+    args: list
+    payload: bytes

@@ -42,6 +42,8 @@ class BufferSink:
         self.registry = ServerRegistry(self.client, self.keys)
         self.validation = ValidationQueue(self.client, self.keys, claim_idle_ms=cfg.buffer.claim_idle_ms)
         self._pool = ThreadPoolExecutor(max_workers=prompt_workers(cfg) + 4, thread_name_prefix="redis")
+        self._to_put: list[tuple[GroupData, asyncio.Future[bool]]] = []
+        self._putter: asyncio.Task | None = None
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
@@ -82,9 +84,48 @@ class BufferSink:
         await self._call(self.prompts.ack, entry_ids)
 
     async def put(self, group: GroupData) -> bool:
-        """Write one group; False when the buffer already holds its group_id (a retried prompt)."""
-        entry = await self._call(self.writer.put, group, timeout_s=self.cfg.buffer.put_timeout_s)
-        return entry is not None
+        """Write one group; False when the buffer already holds its group_id (a retried prompt).
+
+        Groups handed in while an earlier write is in flight wait for it and then go together, in one
+        ``put_many`` (one Redis round trip, each group still its own idempotent insert)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[bool] = loop.create_future()
+        self._to_put.append((group, done))
+        if self._putter is None or self._putter.done() or self._putter.get_loop() is not loop:
+            self._putter = asyncio.create_task(self._put_waiting())
+        return await done
+
+    async def _put_waiting(self) -> None:
+        timeout_s = self.cfg.buffer.put_timeout_s
+        while self._to_put:
+            batch, self._to_put = self._to_put, []
+            try:
+                await self._put_batch(batch, timeout_s)
+            finally:  # cancelled (the server stops): its callers are told rather than left waiting
+                for _, done in batch:
+                    if not done.done():
+                        done.cancel()
+
+    async def _put_batch(self, batch: list[tuple[GroupData, asyncio.Future[bool]]], timeout_s: float) -> None:
+        try:
+            ids = await self._call(self.writer.put_many, [g for g, _ in batch], timeout_s=timeout_s)
+            results: list[bool | Exception] = [i is not None for i in ids]
+        except Exception:
+            # A malformed group or a full buffer: each group on its own, so each caller gets its own
+            # answer (groups the batch did insert come back as duplicates).
+            results = []
+            for g, _ in batch:
+                try:
+                    results.append(await self._call(self.writer.put, g, timeout_s=timeout_s) is not None)
+                except Exception as e:
+                    results.append(e)
+        for (_, done), result in zip(batch, results, strict=True):
+            if done.done():  # its caller was cancelled
+                continue
+            if isinstance(result, Exception):
+                done.set_exception(result)
+            else:
+                done.set_result(result)
 
     async def dead_letter(self, *, reason: str, data: bytes) -> None:
         """Park work that cannot be completed, with why, where an operator (and ``tether status``) sees it;

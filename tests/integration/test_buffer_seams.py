@@ -17,6 +17,7 @@ from learner.batch import build_samples
 from tests.unit.test_buffer_policy import random_group
 from tether.config import load_config
 from tether.config.buffer import BufferConfig
+from tether.trajectory import InvalidTrajectory
 from tether.v1.trajectory_pb2 import Prompt
 
 
@@ -48,6 +49,38 @@ async def test_sink_dead_letter_gives_the_admission_slot_back(redis_url: str) ->
         ((_, fields),) = client.xrange(keys.dead_letter)
         assert fields[b"source"] == b"rollout:r0" and fields[b"reason"] == b"prompt-1: reward failed"
         assert feed.feed(prompts, version=0, prompts_per_version=1, max_staleness=0) == 1  # the slot came back
+    finally:
+        sink.close()
+        client.close()
+
+
+async def test_sink_sends_groups_that_finish_together_in_one_round_trip(redis_url: str) -> None:
+    from rollout_server.sink import BufferSink
+
+    run_id = f"batch-{uuid.uuid4().hex[:6]}"
+    cfg = load_config(None, ["--run.run_id", run_id, "--buffer.redis_url", redis_url])
+    client, keys = redis.Redis.from_url(redis_url), RedisKeys(run_id)
+    rng = np.random.default_rng(0)
+    sink = BufferSink(cfg, "r0")
+    try:
+        known = random_group(rng, 0)
+        assert await asyncio.wait_for(sink.put(known), 10)
+        groups = [random_group(rng, k) for k in range(1, 8)] + [known]  # the last one: a retried prompt
+        execs = client.info("commandstats")["cmdstat_exec"]["calls"]
+        fresh = await asyncio.wait_for(asyncio.gather(*map(sink.put, groups)), 10)
+        assert fresh == [True] * 7 + [False]
+        assert client.info("commandstats")["cmdstat_exec"]["calls"] - execs <= 2  # not one per group
+        assert client.xlen(keys.trajectories) == 8
+        # A malformed group among good ones: its caller gets the error, the others are written.
+        bad = random_group(rng, 9)
+        bad.trajectories[0].policy_versions = bad.trajectories[0].policy_versions[:-1]
+        good = [random_group(rng, k) for k in (10, 11)]
+        out = await asyncio.wait_for(
+            asyncio.gather(*map(sink.put, [good[0], bad, good[1]]), return_exceptions=True), 10
+        )
+        assert out[0] is True and out[2] is True and isinstance(out[1], InvalidTrajectory)
+        assert client.xlen(keys.trajectories) == 10
+        assert buffer_stats(client, keys)["buffer/produced"] == 10
     finally:
         sink.close()
         client.close()

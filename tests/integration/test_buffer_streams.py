@@ -26,6 +26,7 @@ from buffer.columnar import encode_columnar
 from buffer.wire import encode_group_fast
 from tests.unit.test_buffer_codec import make_group
 from tether.config.buffer import BufferConfig
+from tether.trajectory import InvalidTrajectory
 from tether.v1.trajectory_pb2 import Prompt
 
 KEYS = RedisKeys("t")
@@ -81,6 +82,51 @@ def test_retried_insert_makes_exactly_one_entry(client: redis.Redis) -> None:
     assert len(client.keys(KEYS.payload("*"))) == 1  # the retries' payloads were dropped, not leaked
     s = buffer_stats(client, KEYS)
     assert (s["buffer/produced"], s["buffer/duplicates"]) == (1, 2)
+
+
+def test_put_many_is_one_round_trip_of_separate_idempotent_inserts(client: redis.Redis) -> None:
+    c = cfg()
+    writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
+    assert writer.put(make_group(seed=1, version=3)) is not None  # inserted before the batch
+    groups = [make_group(seed=i, version=3) for i in (0, 1, 2, 0)]  # one known id, one repeated in the batch
+    execs = client.info("commandstats").get("cmdstat_exec", {}).get("calls", 0)
+    ids = writer.put_many(groups)
+    assert client.info("commandstats")["cmdstat_exec"]["calls"] == execs + 1  # all four in one MULTI/EXEC
+    assert [i is not None for i in ids] == [True, False, True, False]
+    assert len(client.keys(KEYS.payload("*"))) == 3  # the duplicates' payloads were dropped, not leaked
+    s = buffer_stats(client, KEYS)
+    assert (s["buffer/produced"], s["buffer/duplicates"], s["buffer/depth"]) == (3, 2, 3)
+    got = reader.read(3, current_version=3, max_staleness=2, block_ms=500)
+    assert [b.group.group_id for b in got] == ["group-1", "group-0", "group-2"]
+    for t, w in zip(got[2].group.trajectories, groups[2].trajectories, strict=True):
+        np.testing.assert_array_equal(t.behavior_logprobs, w.behavior_logprobs)
+        np.testing.assert_array_equal(t.completion_token_ids, w.completion_token_ids)
+        assert (t.id, t.reward) == (w.id, w.reward)
+    assert writer.put_many([]) == []
+
+
+def test_put_many_refuses_a_malformed_group_before_inserting_any(client: redis.Redis) -> None:
+    writer = TrajectoryWriter(client, KEYS, cfg())
+    bad = make_group(seed=1)
+    bad.trajectories[0].loss_mask = bad.trajectories[0].loss_mask[:-1]
+    with pytest.raises(InvalidTrajectory):
+        writer.put_many([make_group(seed=0), bad])
+    assert client.xlen(KEYS.trajectories) == 0
+    assert client.keys(KEYS.payload("*")) == []
+
+
+def test_put_many_keeps_the_bound_group_by_group(client: redis.Redis) -> None:
+    c = cfg(max_trajectory_groups=3, max_trajectory_bytes=10**9, put_timeout_s=0.1)
+    writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
+    batch = [make_group(seed=i) for i in range(5)]
+    with pytest.raises(BufferFull, match="3 unacknowledged groups"):
+        writer.put_many(batch)
+    assert client.xlen(KEYS.trajectories) == 3  # the groups before the full one are in, whole
+    assert len(client.keys(KEYS.payload("*"))) == 3  # nothing left behind by the ones that did not fit
+    assert assert_balanced(client)["buffer/produced"] == 3
+    reader.ack([b.entry_id for b in reader.read(3, current_version=2, max_staleness=1, block_ms=300)])
+    assert [i is None for i in writer.put_many(batch)] == [True, True, True, False, False]  # the retry
+    assert assert_balanced(client)["buffer/produced"] == 5
 
 
 def test_one_settle_counts_each_entry_once_whatever_the_mix(client: redis.Redis) -> None:
