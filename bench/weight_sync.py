@@ -13,15 +13,21 @@ process to the same number of plain receiver processes:
 * ``per-param``: one ``dist.broadcast`` per parameter with **no barrier** between them, into tensors the
   receiver already holds — what TRL and PipelineRL do (the pattern a peer would actually use).
 
+Tether's other path runs beside it in the same rounds, to its own receivers: whole buckets
+(``direct_tensor_mb: 0``: every tensor packed, one broadcast per bucket) against the default segments
+(tensors of at least ``direct_tensor_mb`` broadcast from the parameters themselves), so the default is
+the faster of the two as measured side by side.
+
 Figures (bytes/s of tether over bytes/s of a baseline = baseline seconds / tether seconds):
 ``weight_sync/update_vs_raw_<n>recv`` (goal ≥ 0.8), ``weight_sync/update_vs_per_param_<n>recv``
 (goal ≥ 1: tether is not slower than the peers' pattern) and, without a goal,
-``weight_sync/transfer_vs_raw_<n>recv`` (the gather + pack + broadcast stage alone, no gRPC, no load).
+``weight_sync/transfer_vs_raw_<n>recv`` (the gather + pack + broadcast stage alone, no gRPC, no load)
+and ``weight_sync/update_vs_whole_buckets_<n>recv`` (> 1: the default path is the faster).
 
 Like with like: every timing is taken on the sending process and ends when every receiver holds the
 bytes (tether: the Commit replies, i.e. loaded; baselines: one barrier after the last broadcast, since
 the root's broadcast can return while the last bytes are still in socket buffers). Both sides' receivers
-live through the whole run; each round runs tether, raw and per-param once, in an order that rotates
+live through the whole run; each round runs every side once, in an order that rotates
 from round to round. Rounds 0 and 1 are warm-up: round 0 makes the connections, builds the group and
 touches buffers for the first time, and round 1 is the first update into a receiver's second receive
 set (a receiver adopts one set as the live weights and receives the next update into the other, so
@@ -33,6 +39,7 @@ each figure is the median over ``--repeats`` later rounds of the per-round ratio
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -213,32 +220,39 @@ class Tether:
 def measure(
     model, model_dir: Path, workdir: Path, receivers: int, repeats: int, direct_tensor_mb: float | None = None
 ) -> list[dict[str, float]]:
-    """Rounds 0 and 1 (warm-up) then ``repeats`` rounds; each times tether, raw and per-param, order rotating.
-    Returns round 0 and the timed rounds."""
-    tether = Tether(model, model_dir, workdir, receivers, direct_tensor_mb=direct_tensor_mb)
+    """Rounds 0 and 1 (warm-up) then ``repeats`` rounds; each times every side once, order rotating.
+    Sides: tether, tether sending whole buckets (``direct_tensor_mb: 0``; left out when tether already
+    does), raw and per-param. Returns round 0 and the timed rounds."""
+    sides: dict[str, Tether] = {}
     try:
+        sides["tether"] = Tether(model, model_dir, workdir, receivers, direct_tensor_mb=direct_tensor_mb)
+        if direct_tensor_mb != 0:
+            sides["buckets"] = Tether(model, model_dir, workdir, receivers, direct_tensor_mb=0)
         baselines = Baselines(model, model_dir, receivers)
     except BaseException:
-        tether.close()
+        for t in sides.values():
+            t.close()
         raise
     rounds = []
     try:
         for k in range(repeats + 2):
             row: dict[str, float] = {}
-            for side in ordered(["tether", "raw", "per_param"], k):
-                if side == "tether":
-                    m = tether.round()
-                    row["tether"] = m["weight_sync/seconds"]
-                    row["transfer"] = m["weight_sync/transfer_seconds"]
-                    row["prepare"] = m["weight_sync/prepare_seconds"]
-                    row["commit"] = m["weight_sync/commit_seconds"]
-                    row["rebuild"] = m["weight_sync/group_rebuild_seconds"]
+            for side in ordered([*sides, "raw", "per_param"], k):
+                if side in sides:
+                    m = sides[side].round()
+                    row[side] = m["weight_sync/seconds"]
+                    if side == "tether":
+                        row["transfer"] = m["weight_sync/transfer_seconds"]
+                        row["prepare"] = m["weight_sync/prepare_seconds"]
+                        row["commit"] = m["weight_sync/commit_seconds"]
+                        row["rebuild"] = m["weight_sync/group_rebuild_seconds"]
                 else:
                     row[side] = baselines.round(RAW if side == "raw" else PER_PARAM)
             rounds.append(row)
     finally:
         baselines.close()
-        tether.close()
+        for t in sides.values():
+            t.close()
     return [rounds[0], *rounds[2:]]
 
 
@@ -279,14 +293,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {what}; {args.repeats} rounds after a warm-up, order rotating")
         mb = nbytes / 1e6
         print(
-            f"{'n':>3} {'tether MB/s':>12} {'transfer MB/s':>14} {'raw MB/s':>9} {'per-param MB/s':>15}"
+            f"{'n':>3} {'tether MB/s':>12} {'buckets MB/s':>13} {'transfer MB/s':>14} {'raw MB/s':>9}"
+            f" {'per-param MB/s':>15}"
             f" {'prepare s':>10} {'commit s':>9} {'first tether s':>15} {'first raw s':>12} {'group build s':>14}"
         )
         for receivers in (1, 2):
             first, *rounds = measure(model, model_dir, workdir, receivers, args.repeats, args.direct_tensor_mb)
             med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
             print(
-                f"{receivers:>3} {mb / med['tether']:>12.1f} {mb / med['transfer']:>14.1f} {mb / med['raw']:>9.1f}"
+                f"{receivers:>3} {mb / med['tether']:>12.1f} {mb / med.get('buckets', math.nan):>13.1f}"
+                f" {mb / med['transfer']:>14.1f} {mb / med['raw']:>9.1f}"
                 f" {mb / med['per_param']:>15.1f} {med['prepare']:>10.3f} {med['commit']:>9.3f}"
                 f" {first['tether']:>15.3f} {first['raw']:>12.3f} {first['rebuild']:>14.3f}"
             )
@@ -315,6 +331,16 @@ def main(argv: list[str] | None = None) -> int:
                     baseline=f"one raw dist.broadcast (tether's gather + pack + broadcast stage only) to {to}",
                 ),
             ]
+            if "buckets" in med:
+                figures.append(
+                    figure(
+                        f"weight_sync/update_vs_whole_buckets_{tag}",
+                        [r["buckets"] / r["tether"] for r in rounds],
+                        goal=None,
+                        direction="min",
+                        baseline=f"tether itself sending whole buckets (weight_sync.direct_tensor_mb: 0) to {to}",
+                    )
+                )
     print("columns: medians of the timed rounds; first: round 0 (connections, group build)")
     for f in figures:
         report(f, quick=args.quick)

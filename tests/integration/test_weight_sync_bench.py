@@ -22,10 +22,11 @@ def test_bench_quick_reports_figures_against_raw_and_per_param(tmp_path: Path) -
     figures = {f["name"]: f for f in map(json.loads, results.read_text().splitlines())}
     assert set(figures) == {
         f"weight_sync/{what}_{n}recv"
-        for what in ("update_vs_raw", "update_vs_per_param", "transfer_vs_raw")
+        for what in ("update_vs_raw", "update_vs_per_param", "transfer_vs_raw", "update_vs_whole_buckets")
         for n in (1, 2)
     }
     for f in figures.values():
         assert f["ratio"] > 0 and f["spread"][0] <= f["ratio"] <= f["spread"][1] and f["repeats"] >= 3
         assert f"FIGURE {f['name']}:" in proc.stdout
     assert "no barrier" in figures["weight_sync/update_vs_per_param_1recv"]["baseline"]
+    assert "direct_tensor_mb: 0" in figures["weight_sync/update_vs_whole_buckets_1recv"]["baseline"]
