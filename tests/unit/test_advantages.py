@@ -12,7 +12,14 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from learner.advantages import ESTIMATORS, AdvantageBatch, advantage_batch, assign_advantages, get_estimator
+from learner.advantages import (
+    ESTIMATORS,
+    AdvantageBatch,
+    advantage_batch,
+    assign_advantages,
+    get_estimator,
+    group_advantages,
+)
 from learner.batch import build_samples
 from learner.losses import value_loss
 from learner.synthetic import make_groups
@@ -211,3 +218,23 @@ def test_samples_get_the_reward_on_their_last_trained_token_and_grpo_keeps_its_n
     for s, a in zip(samples, before, strict=True):
         assert s.advantage.shape == (s.num_completion,)
         assert np.allclose(s.advantage, a, atol=1e-6)  # the registry's grpo is build_samples' grpo
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_grpo_matches_trl_group_scaling(seed: int) -> None:
+    """TRL's GRPOTrainer (``scale_rewards="group"``): (r - group mean) / (unbiased group std + 1e-4), the
+    generations of a prompt contiguous. tether's estimator on shuffled samples gives the same numbers with
+    TRL's eps, and within 1e-3 relative with its own (1e-6) where the group's std is not tiny — so the
+    advantage formula is not where a tether run and a TRL run of the same job part (docs/STALENESS.md)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, n = 8, 8
+    rewards = torch.randint(0, 65, (prompts, n), generator=g).double() / 64  # charclass: a fraction of 64 chars
+    mean, std = rewards.mean(1, keepdim=True), rewards.std(1, keepdim=True)  # torch.std: unbiased, as TRL's nanstd
+    trl = ((rewards - mean) / (std + 1e-4)).flatten().float()
+    order = torch.randperm(prompts * n, generator=g)
+    gids = torch.arange(prompts).repeat_interleave(n)[order]
+    got = torch.empty_like(trl)
+    got[order] = group_advantages(rewards.flatten()[order], gids, norm_by_std=True, eps=1e-4)
+    assert_close(got, trl)
+    got[order] = group_advantages(rewards.flatten()[order], gids, norm_by_std=True)
+    assert_close(got, trl, rtol=1e-3, atol=0)

@@ -79,6 +79,37 @@ def test_full_support_path_draws_from_the_distribution_it_reports() -> None:
     torch.testing.assert_close(logps[draws:], torch.log_softmax(logits, -1)[logits.argmax()].repeat(3))
 
 
+def test_batched_rows_follow_their_own_softmax_down_to_the_tail() -> None:
+    """What a training step samples: many rows, each its own peaked distribution over the tiny model's
+    320 tokens. A pooled chi-square over (row, token) cells stays within 4 sigma of its degrees of freedom,
+    and a near-collapsed row (one token at ~0.997) draws its tail as often as the tail's mass: a sampler
+    that favoured the argmax, dropped rare tokens or mixed rows up would fail one of the two."""
+    torch.manual_seed(3)
+    rows, vocab, reps = 32, 320, 150
+    logits = torch.randn(rows, vocab) * 4
+    params = _params([(1.0, 1.0, 0, None)] * rows)
+    counts = torch.zeros(rows, vocab)
+    for _ in range(reps):
+        tokens, logps = sample(logits, params)
+        counts[torch.arange(rows), tokens] += 1
+        torch.testing.assert_close(logps, torch.log_softmax(logits, -1)[torch.arange(rows), tokens])
+    expected = torch.softmax(logits, -1) * reps
+    chi2, dof = 0.0, 0
+    for e, o in zip(expected, counts, strict=True):
+        big = e >= 5  # the rest pooled into one cell per row
+        pooled = (o[~big].sum() - e[~big].sum()) ** 2 / e[~big].sum()
+        chi2 += float(((o[big] - e[big]) ** 2 / e[big]).sum() + pooled)
+        dof += int(big.sum())  # cells (big ones + the pooled one) minus one
+    assert abs(chi2 - dof) < 4 * (2 * dof) ** 0.5, (chi2, dof)
+
+    draws = 20000
+    tail = torch.randn(vocab) - 4.0
+    tail[7] = 8.0
+    tokens, _ = sample(tail.repeat(draws, 1), _params([(1.0, 1.0, 0, None)] * draws))
+    mass = float(1 - torch.softmax(tail, -1)[7])
+    assert abs(float((tokens != 7).float().mean()) - mass) < 5 * (mass / draws) ** 0.5, mass
+
+
 def test_seeded_rows_are_reproducible() -> None:
     logits = torch.zeros(2, 1000)
     a, _ = sample(logits, _params([(1.0, 1.0, 0, 7), (1.0, 1.0, 0, 8)]))
