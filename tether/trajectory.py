@@ -231,7 +231,9 @@ def encode_group(g: GroupData) -> bytes:
             t.group_id = g.group_id
         validate(t)
         msg.trajectories.append(to_proto(t))
-    return msg.SerializeToString()
+    # Deterministic: map entries sorted by key. Otherwise protobuf writes a map in its hash table's order,
+    # which differs between processes, and one group would have several encodings.
+    return msg.SerializeToString(deterministic=True)
 
 
 def decode_group(data: bytes) -> GroupData:
