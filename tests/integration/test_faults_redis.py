@@ -18,7 +18,7 @@ import pytest
 from tests.integration.fault_harness import Run, write_config
 from tether.redis_server import EmbeddedRedis
 
-STEPS = 40
+STEPS = 200  # ~25 steps/s on 2 cores: the outage must come well before the end (40 once finished first)
 OUTAGE_S = 4.0
 FSYNC_WINDOW_S = 1.0  # appendfsync everysec
 
