@@ -145,7 +145,7 @@ class TrajectoryWriter:
                 # The later groups that found no room either: their payloads go too (their TTL would free
                 # them, but only after the grace period). Those that did fit (a smaller group under the
                 # byte bound) stay in; a retry of the batch finds them as duplicates.
-                waiting = [p.keys[3] for p, r in zip(puts[i + 1 :], replies[i + 1 :], strict=True) if int(r[0]) < 0]
+                waiting = [p.payload_key for p, r in zip(puts[i + 1 :], replies[i + 1 :], strict=True) if int(r[0]) < 0]
                 if waiting:
                     self.client.delete(*waiting)
                 raise
@@ -162,7 +162,7 @@ class TrajectoryWriter:
                 return None
             now = time.monotonic()
             if status == -1 and now >= deadline:
-                self.client.delete(put.keys[3])  # no one will use it now; its TTL would free it anyway
+                self.client.delete(put.payload_key)  # no one will use it now; its TTL would free it anyway
                 depth, used = int(reply[1]), int(reply[2])
                 raise BufferFull(
                     f"trajectory buffer full for {timeout:g}s: {depth} unacknowledged groups "
@@ -194,7 +194,7 @@ class TrajectoryWriter:
     def _transaction(self, puts: list[_Put], ttl_ms: int) -> list[list]:
         pieces = [_MULTI]
         for p in puts:
-            pieces += _resp(("SET", p.keys[3], p.payload, "PX", ttl_ms))
+            pieces += _resp(("SET", p.payload_key, p.payload, "PX", ttl_ms))
             pieces += _resp(("EVALSHA", self._scripts.put.sha, len(p.keys), *p.keys, *p.args))
         pieces.append(_EXEC)
         blob = b"".join(pieces)
@@ -231,3 +231,7 @@ class _Put:
     keys: list[str]
     args: list
     payload: bytes
+
+    @property
+    def payload_key(self) -> str:
+        return self.keys[3]  # PUT's KEYS[4]: where the payload waits (see _prepare)
