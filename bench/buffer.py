@@ -13,8 +13,12 @@ redis-py pipeline (what a user with 8 groups in hand would write), so batching i
 side alone. It prints groups/s, MB/s, the ratio buffer/raw (goal ≥ 0.8), the
 serialization cost per group and the ``codec ceiling``: raw's time per group over raw's time plus one
 encode and one decode, the ratio the buffer would reach if every Redis command of its own cost nothing
-more than raw's — what the goal leaves for the codec. Without ``--redis-url`` it starts an embedded
-redis-server.
+more than raw's — what the goal leaves for the codec. Beside each wall-clock figure goes its ``_cpu`` twin:
+the CPU seconds both sides cost (this process's plus the Redis server's, from ``INFO cpu``), raw's over the
+buffer's. On a 2-core machine that ratio bounds what any arrangement of round trips could reach, and unlike
+wall time it does not move with how long an idle core takes to wake up (on the 2-vCPU VM this project is
+measured on, a loopback round trip between the two cores costs 160–400 µs, ~40 µs within one). Without
+``--redis-url`` it starts an embedded redis-server.
 
 The baseline is what a user without tether would write: the same stream commands on bytes already
 encoded, so the ratio charges tether for its encode/decode, its idempotency key, its group-atomic
@@ -99,49 +103,68 @@ def time_serialization(group: GroupData, cfg: BufferConfig, reps: int) -> tuple[
     return statistics.median(enc) * 1e6, statistics.median(dec) * 1e6, len(payload)
 
 
-def run_buffer(client, groups: list[GroupData], cfg: BufferConfig, *, batched: bool) -> float:
+def redis_cpu_s(client) -> float:
+    """CPU seconds the Redis server process has used so far (user + system, all its threads)."""
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+class Timed:
+    """Wall seconds of one timed path, and the CPU seconds this process and the Redis server spent on it."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+
+    def __enter__(self) -> Timed:
+        self._redis, self._cpu, self._wall = redis_cpu_s(self.client), time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self._wall
+        self.cpu = time.process_time() - self._cpu + redis_cpu_s(self.client) - self._redis
+
+
+def run_buffer(client, groups: list[GroupData], cfg: BufferConfig, *, batched: bool) -> Timed:
     keys = RedisKeys(f"bench-{uuid.uuid4().hex[:8]}")
     writer = TrajectoryWriter(client, keys, cfg)
     reader = TrajectoryReader(client, keys, cfg, consumer="bench")
-    t0 = time.perf_counter()
-    for start in range(0, len(groups), BATCH):
-        batch = groups[start : start + BATCH]
-        if batched:
-            writer.put_many(batch)
-        else:
-            for g in batch:
-                writer.put(g)
-        got = reader.read(len(batch), current_version=3, max_staleness=4, block_ms=1000)
-        assert len(got) == len(batch), f"read {len(got)} of {len(batch)}"
-        reader.ack([b.entry_id for b in got])
-    elapsed = time.perf_counter() - t0
+    with Timed(client) as timed:
+        for start in range(0, len(groups), BATCH):
+            batch = groups[start : start + BATCH]
+            if batched:
+                writer.put_many(batch)
+            else:
+                for g in batch:
+                    writer.put(g)
+            got = reader.read(len(batch), current_version=3, max_staleness=4, block_ms=1000)
+            assert len(got) == len(batch), f"read {len(got)} of {len(batch)}"
+            reader.ack([b.entry_id for b in got])
     client.delete(*[keys.trajectories, keys.counters, keys.staleness])
     for g in groups:
         client.delete(keys.seen(g.group_id))
-    return elapsed
+    return timed
 
 
-def run_raw(client, payloads: list[bytes], *, batched: bool) -> float:
+def run_raw(client, payloads: list[bytes], *, batched: bool) -> Timed:
     stream = f"bench-raw-{uuid.uuid4().hex[:8]}"
     client.xgroup_create(stream, "g", id="0", mkstream=True)
-    t0 = time.perf_counter()
-    for start in range(0, len(payloads), BATCH):
-        batch = payloads[start : start + BATCH]
-        if batched:  # what a user with several groups in hand writes: one pipelined round trip
-            pipe = client.pipeline(transaction=False)
-            for p in batch:
-                pipe.xadd(stream, {"d": p})
-            pipe.execute()
-        else:
-            for p in batch:
-                client.xadd(stream, {"d": p})
-        got = client.xreadgroup("g", "bench", {stream: ">"}, count=len(batch), block=1000)
-        ids = [i for i, _ in got[0][1]]
-        assert len(ids) == len(batch)
-        client.xack(stream, "g", *ids)
-    elapsed = time.perf_counter() - t0
+    with Timed(client) as timed:
+        for start in range(0, len(payloads), BATCH):
+            batch = payloads[start : start + BATCH]
+            if batched:  # what a user with several groups in hand writes: one pipelined round trip
+                pipe = client.pipeline(transaction=False)
+                for p in batch:
+                    pipe.xadd(stream, {"d": p})
+                pipe.execute()
+            else:
+                for p in batch:
+                    client.xadd(stream, {"d": p})
+            got = client.xreadgroup("g", "bench", {stream: ">"}, count=len(batch), block=1000)
+            ids = [i for i, _ in got[0][1]]
+            assert len(ids) == len(batch)
+            client.xack(stream, "g", *ids)
     client.delete(stream)
-    return elapsed
+    return timed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"redis {version}, G={G}, batch {BATCH} groups, compression {args.compression}, repeats {repeats}")
             header = (
                 f"{'tokens':>6} {'puts':>26} {'MB/group':>8} {'buffer g/s':>10} {'raw g/s':>9} {'buffer MB/s':>11} "
-                f"{'raw MB/s':>9} {'ratio':>6} {'encode µs':>10} {'decode µs':>10} {'codec ceiling':>13}"
+                f"{'raw MB/s':>9} {'ratio':>6} {'encode µs':>10} {'decode µs':>10} {'codec ceiling':>13} "
+                f"{'buffer CPU µs':>13} {'raw CPU µs':>10}"
             )
             print(header)
             print("-" * len(header))
@@ -199,26 +223,40 @@ def main(argv: list[str] | None = None) -> int:
                                 raw_s.append(run_raw(client, payloads, batched=batched))
                             else:
                                 buf_s.append(run_buffer(client, groups, cfg, batched=batched))
-                    b, r = statistics.median(buf_s), statistics.median(raw_s)
+                    buf_wall, raw_wall = [t.wall for t in buf_s], [t.wall for t in raw_s]
+                    buf_cpu, raw_cpu = [t.cpu for t in buf_s], [t.cpu for t in raw_s]
+                    b, r = statistics.median(buf_wall), statistics.median(raw_wall)
                     raw_us = r / n * 1e6
                     how = "put_many + pipelined XADDs" if batched else "one put / XADD per group"
+                    name = f"buffer/{tokens // 1024}K_tokens" + ("_put_many" if batched else "")
+                    baseline = (
+                        "raw XADD/XREADGROUP/XACK of the same encoded bytes (redis-py), "
+                        + ("the batch's 8 XADDs in one pipeline" if batched else "one XADD per group")
+                        + f", G={G}, acks on"
+                    )
                     figures.append(
                         figure(
-                            f"buffer/{tokens // 1024}K_tokens" + ("_put_many" if batched else ""),
-                            [rs / bs for rs, bs in zip(raw_s, buf_s, strict=True)],
+                            name,
+                            [rs / bs for rs, bs in zip(raw_wall, buf_wall, strict=True)],
                             goal=0.8,
                             direction="min",
-                            baseline=(
-                                "raw XADD/XREADGROUP/XACK of the same encoded bytes (redis-py), "
-                                + ("the batch's 8 XADDs in one pipeline" if batched else "one XADD per group")
-                                + f", G={G}, acks on"
-                            ),
+                            baseline=baseline,
+                        )
+                    )
+                    figures.append(
+                        figure(
+                            f"{name}_cpu",
+                            [rs / bs for rs, bs in zip(raw_cpu, buf_cpu, strict=True)],
+                            goal=None,
+                            direction="min",
+                            baseline=f"the CPU seconds (client + Redis) of {baseline}",
                         )
                     )
                     print(
                         f"{tokens:>6} {how:>26} {nbytes / 2**20:>8.2f} {n / b:>10.1f} {n / r:>9.1f} "
                         f"{raw_bytes / 2**20 / b:>11.1f} {raw_bytes / 2**20 / r:>9.1f} {r / b:>6.2f} {enc_us:>10.0f} "
-                        f"{dec_us:>10.0f} {raw_us / (raw_us + enc_us + dec_us):>13.2f}"
+                        f"{dec_us:>10.0f} {raw_us / (raw_us + enc_us + dec_us):>13.2f} "
+                        f"{statistics.median(buf_cpu) / n * 1e6:>13.0f} {statistics.median(raw_cpu) / n * 1e6:>10.0f}"
                     )
             client.close()
         finally:

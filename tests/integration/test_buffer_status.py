@@ -83,6 +83,12 @@ def test_buffer_benchmark_quick_run_prints_ratios() -> None:
     rows = [ln for ln in proc.stdout.splitlines() if re.match(r"\s*(1024|4096|16384)\s", ln)]
     assert len(rows) == 6, proc.stdout  # each size one put at a time, then put_many
     assert sum("put_many" in row for row in rows) == 3, proc.stdout
-    for row in rows:  # the ratio column is a number; its value is never asserted
-        float(row.split()[-4])
+    for row in rows:  # the ratio and the two CPU columns are numbers; their values are never asserted
+        cells = row.split()
+        float(cells[-6]), float(cells[-2]), float(cells[-1])
     assert "ratio" in proc.stdout
+    # Each wall-clock figure has its CPU twin (client + Redis CPU seconds, raw's over the buffer's).
+    for size in ("1K", "4K", "16K"):
+        for mode in ("", "_put_many"):
+            assert f"FIGURE buffer/{size}_tokens{mode}: " in proc.stdout, proc.stdout
+            assert f"FIGURE buffer/{size}_tokens{mode}_cpu: " in proc.stdout, proc.stdout
