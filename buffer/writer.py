@@ -53,8 +53,20 @@ def _resp(command: tuple) -> list[bytes]:
     return out
 
 
+def _stream_id(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
 class BufferFull(RuntimeError):
-    """The trajectories stream stayed over its bound for the whole put timeout."""
+    """The trajectories stream stayed over its bound for the whole put timeout.
+
+    From :meth:`TrajectoryWriter.put_many`, ``decided`` says what became of the batch's other groups:
+    batch index → stream id (inserted) or None (already in the buffer); a group not in it was not inserted.
+    """
+
+    def __init__(self, message: str, decided: dict[int, str | None] | None = None) -> None:
+        super().__init__(message)
+        self.decided: dict[int, str | None] = decided or {}
 
 
 class TrajectoryWriter:
@@ -141,13 +153,22 @@ class TrajectoryWriter:
         for i, (put, reply) in enumerate(zip(puts, replies, strict=True)):
             try:
                 out.append(self._finish(put, reply, deadline=deadline, timeout=timeout, ttl_ms=ttl_ms))
-            except BufferFull:
+            except BufferFull as full:
                 # The later groups that found no room either: their payloads go too (their TTL would free
                 # them, but only after the grace period). Those that did fit (a smaller group under the
-                # byte bound) stay in; a retry of the batch finds them as duplicates.
-                waiting = [p.payload_key for p, r in zip(puts[i + 1 :], replies[i + 1 :], strict=True) if int(r[0]) < 0]
+                # byte bound) stay in, and the error says so: a caller that retried them would be told
+                # "duplicate" for a group this very batch inserted.
+                decided: dict[int, str | None] = dict(enumerate(out))
+                waiting = []
+                for j, (p, r) in enumerate(zip(puts[i + 1 :], replies[i + 1 :], strict=True), start=i + 1):
+                    status = int(r[0])
+                    if status < 0:
+                        waiting.append(p.payload_key)
+                    else:
+                        decided[j] = _stream_id(r[1]) if status == 1 else None
                 if waiting:
                     self.client.delete(*waiting)
+                full.decided = decided
                 raise
         return out
 
@@ -157,7 +178,7 @@ class TrajectoryWriter:
         while True:
             status = int(reply[0])
             if status == 1:
-                return reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
+                return _stream_id(reply[1])
             if status == 0:
                 return None
             now = time.monotonic()

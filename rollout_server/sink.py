@@ -107,12 +107,19 @@ class BufferSink:
                         done.cancel()
 
     async def _put_batch(self, batch: list[tuple[GroupData, asyncio.Future[bool]]], timeout_s: float) -> None:
+        from buffer import BufferFull
+
+        results: list[bool | Exception]
         try:
             ids = await self._call(self.writer.put_many, [g for g, _ in batch], timeout_s=timeout_s)
-            results: list[bool | Exception] = [i is not None for i in ids]
+            results = [i is not None for i in ids]
+        except BufferFull as full:
+            # The buffer stayed full for the whole timeout: the groups it did take are in (True), or were
+            # there already (False); the others get the error, and their callers wait and retry.
+            results = [(full.decided[k] is not None) if k in full.decided else full for k in range(len(batch))]
         except Exception:
-            # A malformed group or a full buffer: each group on its own, so each caller gets its own
-            # answer (groups the batch did insert come back as duplicates).
+            # A malformed group (refused before Redis is touched) or Redis away: each group on its own,
+            # so each caller gets its own answer.
             results = []
             for g, _ in batch:
                 try:

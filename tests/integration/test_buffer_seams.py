@@ -86,6 +86,30 @@ async def test_sink_sends_groups_that_finish_together_in_one_round_trip(redis_ur
         client.close()
 
 
+async def test_sink_tells_callers_which_groups_a_full_batch_took(redis_url: str) -> None:
+    # Three groups finish together into a buffer with room for two: the two it took are fresh inserts
+    # (not "duplicates" from a retry of the whole batch), the third caller gets BufferFull.
+    from buffer import BufferFull
+    from rollout_server.sink import BufferSink
+
+    run_id = f"full-{uuid.uuid4().hex[:6]}"
+    cfg = load_config(None, ["--run.run_id", run_id, "--buffer.redis_url", redis_url,
+                             "--buffer.max_trajectory_groups", "2", "--buffer.put_timeout_s", "0.2"])  # fmt: skip
+    client, keys = redis.Redis.from_url(redis_url), RedisKeys(run_id)
+    rng = np.random.default_rng(1)
+    sink = BufferSink(cfg, "r0")
+    try:
+        groups = [random_group(rng, k) for k in range(3)]
+        out = await asyncio.wait_for(asyncio.gather(*map(sink.put, groups), return_exceptions=True), 10)
+        assert out[:2] == [True, True] and isinstance(out[2], BufferFull), out
+        assert client.xlen(keys.trajectories) == 2
+        stats = buffer_stats(client, keys)
+        assert stats["buffer/produced"] == 2 and stats.get("buffer/duplicates", 0) == 0, stats
+    finally:
+        sink.close()
+        client.close()
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_reader_and_learner_agree_on_staleness(redis_client: redis.Redis, seed: int) -> None:
     rng = np.random.default_rng(seed)

@@ -119,9 +119,12 @@ def test_put_many_keeps_the_bound_group_by_group(client: redis.Redis) -> None:
     c = cfg(max_trajectory_groups=3, max_trajectory_bytes=10**9, put_timeout_s=0.1)
     writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
     batch = [make_group(seed=i) for i in range(5)]
-    with pytest.raises(BufferFull, match="3 unacknowledged groups"):
+    with pytest.raises(BufferFull, match="3 unacknowledged groups") as full:
         writer.put_many(batch)
     assert client.xlen(KEYS.trajectories) == 3  # the groups before the full one are in, whole
+    # The error says which groups the batch did insert (their stream ids), so no caller retries them.
+    entries = [eid.decode() for eid, _ in client.xrange(KEYS.trajectories)]
+    assert full.value.decided == dict(enumerate(entries))
     assert len(client.keys(KEYS.payload("*"))) == 3  # nothing left behind by the ones that did not fit
     assert assert_balanced(client)["buffer/produced"] == 3
     reader.ack([b.entry_id for b in reader.read(3, current_version=2, max_staleness=1, block_ms=300)])
