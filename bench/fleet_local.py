@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,6 +45,8 @@ def write_config(args: argparse.Namespace, *, run_id: str, model: Path, out: Pat
         "algorithm": {"max_staleness": 1},
         "weight_sync": {"transport": {"type": "filesystem"}},
     }  # fmt: skip
+    for old in (f"{run_id}", f"{run_id}-redis", f"{run_id}-logs"):  # an earlier invocation's: start over
+        shutil.rmtree(out / old, ignore_errors=True)
     path = out / f"{run_id}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -43,6 +44,7 @@ def run_once(args: argparse.Namespace, *, estimator: str, seed: int, model: Path
     if estimator == "gae":
         cfg["algorithm"].update(gamma=1.0, lam=args.lam)
         cfg["critic"] = {"optim": {"lr": args.critic_lr}, "critic_warmup": args.critic_warmup}
+    shutil.rmtree(args.out / run_id, ignore_errors=True)  # an earlier invocation's run of this name: start over
     path = args.out / f"{run_id}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     print(f"seed {seed}: {estimator} ...", flush=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -50,6 +51,7 @@ def run_once(args: argparse.Namespace, *, staleness: int, seed: int, model: Path
     cfg["learner"].update(total_steps=args.steps, train_batch_size=args.batch, test_freq=args.test_freq,
                           val_max_prompts=args.val_prompts, export_hf=False, read_timeout_s=600)  # fmt: skip
     cfg["algorithm"]["max_staleness"] = staleness
+    shutil.rmtree(out / run_id, ignore_errors=True)  # an earlier invocation's run of this name: start over
     path = out / f"{run_id}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     print(f"seed {seed}: max_staleness={staleness} ...", flush=True)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -64,6 +65,7 @@ def run_mode(args: argparse.Namespace, *, staleness: int, model: Path, out: Path
         "algorithm": {"max_staleness": staleness},
         "weight_sync": {"transport": transport},
     }  # fmt: skip
+    shutil.rmtree(out / run_id, ignore_errors=True)  # an earlier invocation's run of this name: start over
     path = out / f"{run_id}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     print(f"repeat {repeat}: running max_staleness={staleness} ...", flush=True)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -70,6 +71,7 @@ def tether_trial(*, model: Path, tokens: int, staleness: int, seed: int, steps: 
                       "clip_ratio_high": 0.28, "use_kl_loss": False, "entropy_coeff": 0.0},
         "weight_sync": {"transport": {"type": "filesystem"}, "sync_every": 1},
     }  # fmt: skip
+    shutil.rmtree(out / run_id, ignore_errors=True)  # an earlier invocation's run of this name: start over
     path = out / f"{run_id}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     result = subprocess.run([sys.executable, "-m", "tether", "up", "--config", str(path)], cwd=REPO,

@@ -95,9 +95,14 @@ def save_checkpoint(folder: Path, *, model, optimizer, scheduler, state: TrainSt
     return path
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step of a checkpoint folder (``step_<n>``)."""
+    return int(path.name.split("_")[1])
+
+
 def latest_checkpoint(folder: Path) -> Path | None:
     done = [p for p in Path(folder).glob("step_*") if (p / STATE_FILE).exists()]
-    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+    return max(done, key=checkpoint_step, default=None)
 
 
 def load_checkpoint(path: Path, *, model, optimizer, scheduler, critic=None) -> TrainState:  # type: ignore[no-untyped-def]

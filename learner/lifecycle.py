@@ -15,6 +15,11 @@ server — already running or started later from the snapshot — moves to the w
 has. When nothing newer than the checkpoint exists but no snapshot of its version does either (gloo
 without snapshots), the checkpoint's weights are written as that version's snapshot, so servers started
 fresh from ``model.path`` catch up instead of generating from the base weights.
+
+**A fresh start on a run with a history** is refused (:func:`refuse_fresh_start`): a learner started
+without ``--resume`` at step 0 and version 0 against a Redis where the run already published later
+versions (servers hold them, admission counts from them) would issue no prompt and wait forever, and
+training over an old run's checkpoints would mix two runs in one folder.
 """
 
 from __future__ import annotations
@@ -26,6 +31,23 @@ from dataclasses import dataclass
 from tether.logs import get_logger
 
 log = get_logger(__name__)
+
+
+class RunHasHistory(RuntimeError):
+    """A learner started without ``--resume`` on a run that already trained."""
+
+
+def refuse_fresh_start(run_id: str, *, published: int, checkpoint_step: int | None, folder: str) -> None:
+    """Raise :class:`RunHasHistory` saying what to do when run ``run_id`` already published a version or
+    checkpointed; return when it is new."""
+    if published <= 0 and checkpoint_step is None:
+        return
+    seen = [f"policy version {published} published in its Redis"] if published > 0 else []
+    seen += [f"checkpoints up to step {checkpoint_step} in {folder}"] if checkpoint_step is not None else []
+    raise RunHasHistory(
+        f"run {run_id} already trained ({'; '.join(seen)}): continue it with --resume (`tether up --resume "
+        f"{folder}`, or `tether learner ... --resume`), or start a new run under another run.run_id"
+    )
 
 
 class StopSignal:

@@ -20,10 +20,10 @@ from buffer import publish_version, read_version
 from buffer.health import clear_run_end, publish_run_end
 from buffer.keys import RedisKeys
 from buffer.ledger import LedgerSnapshot, take_snapshot, write_books
-from learner.checkpoint import TrainState
+from learner.checkpoint import TrainState, checkpoint_step, latest_checkpoint
 from learner.feed import DataTimeout, Feed
 from learner.group_trace import GroupTrace
-from learner.lifecycle import StopSignal, plan_resume_version
+from learner.lifecycle import StopSignal, plan_resume_version, refuse_fresh_start
 from learner.telemetry import LiveStatus
 from tether.config import TetherConfig
 from tether.logs import get_logger
@@ -62,6 +62,11 @@ class RankZero:
             log.info("resume_version", checkpoint=state.version, version=plan.version, publish=plan.publish,
                      reason=plan.reason)  # fmt: skip
             state.version, self.republish = plan.version, plan.publish
+        else:
+            ckpt = latest_checkpoint(paths.checkpoints)
+            refuse_fresh_start(cfg.run.run_id, published=read_version(self.client, RedisKeys(cfg.run.run_id)),
+                               checkpoint_step=checkpoint_step(ckpt) if ckpt else None,
+                               folder=str(paths.root))  # fmt: skip
         self.feed = Feed(cfg, self.client, data_position=state.data_position, step=state.step, version=state.version,
                          ledger=LedgerSnapshot.from_json(state.ledger))  # fmt: skip
         self.keys = self.feed.keys

@@ -134,6 +134,20 @@ def save_buffer_stats(cfg: TetherConfig, paths: RunPaths) -> None:
         log.warning("buffer_stats_not_saved", error=repr(e))
 
 
+def refuse_existing_run(paths: RunPaths, run_id: str) -> None:
+    """A run folder an earlier ``tether up`` started is continued with ``--resume``, never started over: a
+    fresh learner at step 0 against the old run's Redis (whose servers hold later versions) would wait
+    forever, and two runs would share one folder's checkpoints, metrics and books."""
+    if not (paths.root / "config.yaml").exists():
+        return
+    steps = [int(p.name.split("_")[1]) for p in paths.checkpoints.glob("step_*") if p.name.split("_")[1].isdigit()]
+    held = f"checkpoints up to step {max(steps)}" if steps else "no checkpoint yet"
+    raise ConfigError(
+        f"run {run_id} was started before in {paths.root} ({held}): continue it with "
+        f"`tether up --resume {paths.root}`, or start a new run under another run.run_id (or remove the folder)"
+    )
+
+
 def up(cfg: TetherConfig, *, resume: bool = False) -> int:
     check_model_path(cfg)
     from learner.data import check_datasets
@@ -146,6 +160,8 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
     check_redis(cfg)
     if cfg.run.run_id is None:
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_id": new_run_id()})})
+    elif not resume:
+        refuse_existing_run(run_paths(cfg), cfg.run.run_id)
     paths: RunPaths = run_paths(cfg).make()
     setup_logging(
         process="up", level=cfg.run.log_level, console_format=cfg.run.log_format, log_file=paths.log_file("up")
