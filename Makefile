@@ -66,12 +66,15 @@ test: install-test
 # The docker compose CPU stack, built and run for real with podman (tests/compose, README "docker compose"):
 # images built locally (no image registry needed), Redis, the reward service, the learner and two rollout
 # replicas; a replica SIGKILLed, the stack taken down and brought up again. Root with apt on Debian (CI):
-# installs podman, runc and mmdebstrap first. About 5-10 minutes on 2 cores from no images, 4 with cached
+# installs podman, runc, iptables and mmdebstrap first. About 5-10 minutes on 2 cores from no images, 4 with cached
 # ones; prints each phase's time and the image sizes.
-COMPOSE_APT := podman runc netavark aardvark-dns mmdebstrap
+# netavark sets up container networks with iptables; without it every RUN step with a network fails
+# ("netavark: No such file or directory").
+COMPOSE_APT := podman runc netavark aardvark-dns iptables mmdebstrap
 test-compose: $(VENV)/.compose
-	@if ! command -v podman >/dev/null || ! command -v runc >/dev/null || ! command -v mmdebstrap >/dev/null; then \
-		[ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null || { echo "test-compose: needs podman, runc and mmdebstrap (apt-get install $(COMPOSE_APT))"; exit 1; }; \
+	@if ! command -v podman >/dev/null || ! command -v runc >/dev/null || ! command -v mmdebstrap >/dev/null \
+		|| ! command -v iptables >/dev/null; then \
+		[ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null || { echo "test-compose: needs podman, runc, iptables and mmdebstrap (apt-get install $(COMPOSE_APT))"; exit 1; }; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(COMPOSE_APT) >/dev/null; \
 	fi
 	TETHER_COMPOSE_REQUIRED=1 $(PY) -m pytest -p no:cacheprovider -m compose -s tests/compose $(PYTEST_ARGS)

@@ -2,11 +2,12 @@
 
 Only ``make test-compose`` runs this (``make test`` ignores the folder). The images are built locally
 (stack.py), then the stack comes up as a user brings it up — Redis with AOF, the example reward service,
-the learner and two rollout replicas via ``--scale`` — and must: train with rising reward, show two live
-servers and advancing versions in ``tether status`` through ``compose exec``, survive a SIGKILLed replica
-that its restart policy brings back at the current policy version, and, after ``down`` and ``up``, resume
-from the learner's checkpoint with books that balance over both lifetimes. Teardown leaves nothing behind,
-also when a check fails. Each phase's time, steps/s and the image sizes are printed for the closing note.
+the learner and two rollout replicas via the file's ``scale:`` (``ROLLOUT_CPU_REPLICAS=2``) — and must:
+train with rising reward, show two live servers and advancing versions in ``tether status`` through
+``compose exec``, survive a SIGKILLed replica that its restart policy brings back at the current policy
+version, and, after ``down`` and ``up``, resume from the learner's checkpoint with books that balance over
+both lifetimes. Teardown leaves nothing behind, also when a check fails. Each phase's time, steps/s and
+the image sizes are printed for the closing note.
 """
 
 from __future__ import annotations
@@ -57,12 +58,13 @@ def _env(steps: int, dummy: Path) -> dict[str, str]:
         "TETHER_LEARNER_ARGS": f"--learner.total_steps {steps} --learner.checkpoint_every {CHECKPOINT_EVERY}",
         "MODEL_DIR": str(dummy),  # the GPU services' bind mounts: required to render the file, unused on CPU
         "DATA_DIR": str(dummy),
+        "ROLLOUT_CPU_REPLICAS": "2",  # the file's `scale:`, so `down` knows both replicas (see the compose file)
     }
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory):
-    missing = [tool for tool in ("podman", "runc", "mmdebstrap") if shutil.which(tool) is None]
+    missing = [tool for tool in ("podman", "runc", "iptables", "mmdebstrap") if shutil.which(tool) is None]
     if missing:
         pytest.fail(f"{', '.join(missing)} missing: run through `make test-compose`, which installs them")
     logs = tmp_path_factory.mktemp("compose-logs")
@@ -193,7 +195,7 @@ def test_compose_file_renders_both_profiles_with_health_checks_and_valid_configs
 def test_cpu_stack_trains_survives_a_killed_replica_and_resumes_after_down_up(stack: Stack) -> None:
     # --- up, as the README says, with two rollout replicas
     t0 = time.monotonic()
-    stack.compose("up", "-d", "--scale", "rollout-cpu=2", timeout=600)
+    stack.compose("up", "-d", timeout=600)
     TIMINGS["compose up -d (returns)"] = time.monotonic() - t0
     _wait_step(stack, 1, 600)
     TIMINGS["up -> first learner step"] = time.monotonic() - t0
@@ -250,7 +252,7 @@ def test_cpu_stack_trains_survives_a_killed_replica_and_resumes_after_down_up(st
     # --- down, then up again: the learner resumes from its checkpoint, Redis (AOF) keeps the books
     t0 = time.monotonic()
     with stack.ticker.paused():
-        stack.compose("down", "--remove-orphans", "-t", "20", timeout=300)  # podman-compose: with the 2nd replica
+        stack.compose("down", "-t", "20", timeout=300)
     TIMINGS["compose down"] = time.monotonic() - t0
     label = f"label=io.podman.compose.project={stack.project}"
     left = podman("ps", "-a", "--filter", label, "--format", "{{.Names}} {{.Status}}").stdout.strip()
@@ -259,7 +261,7 @@ def test_cpu_stack_trains_survives_a_killed_replica_and_resumes_after_down_up(st
         f"--learner.total_steps {SECOND_STEPS} --learner.checkpoint_every {CHECKPOINT_EVERY}"
     )
     t0 = time.monotonic()
-    stack.compose("up", "-d", "--scale", "rollout-cpu=2", timeout=600)
+    stack.compose("up", "-d", timeout=600)
     rows = _wait_step(stack, FIRST_STEPS + 1, 600)
     TIMINGS["second up -> first resumed step"] = time.monotonic() - t0
     rows = _wait_step(stack, SECOND_STEPS, 600)
