@@ -8,7 +8,11 @@ sides stopping only at EOS or the token limit — at two sizes (64 wide × 2 lay
 tokens; 256 wide × 4 layers with 64), tether asynchronous (``max_staleness: 1``) and synchronous (``0``).
 Every trial is a fresh process (TRL in a child of this script, tether as ``tether up``); the order of
 the three rotates with the seed so no system always runs first on a warm or cold machine. TRL runs with
-its defaults (all cores to its one process); tether with its own (``tether/resources.py``).
+its defaults (all cores to its one process); tether with its own (``tether/resources.py``). Precision is
+the same on both sides: ``--precision bf16`` (the default) is TRL's own default — ``bf16=True``, which
+autocasts generation and training on CPU too — against tether's ``learner.param_dtype: bfloat16`` (FSDP2
+mixed precision, float32 master weights); ``fp32`` turns both off. tether's engine samples in float32 either
+way (bf16 weights decoded no faster on a 2-vCPU AVX512-BF16 VM, autocast 13 % slower).
 
 Timing excludes start-up: s/step is the wall time from the end of step ``--skip`` to the end of the last
 step, over the steps in between. Samples/s = 64 / s/step. Each tether trial is paired with the TRL
@@ -52,9 +56,10 @@ SIZES = {
     "256x4": {"hidden": 256, "layers": 4, "heads": 8, "tokens": 64},
 }
 SYSTEMS = ("trl", "async", "sync")
+PARAM_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}  # tether's learner.param_dtype for --precision
 
 
-def tether_trial(*, model: Path, tokens: int, staleness: int, seed: int, steps: int, out: Path) -> dict:
+def tether_trial(*, model: Path, tokens: int, staleness: int, seed: int, steps: int, out: Path, precision: str) -> dict:
     """One ``tether up`` run; per-step end times and mean rewards from its metrics."""
     from tether.metrics import read_metrics
 
@@ -66,7 +71,7 @@ def tether_trial(*, model: Path, tokens: int, staleness: int, seed: int, steps: 
                     "n": SAMPLES, "temperature": 1.0, "max_tokens": tokens, "max_prompt_len": 64, "num_servers": 1},
         "learner": {"total_steps": steps, "train_batch_size": PROMPTS, "lr": LR, "lr_warmup_steps": 0,
                     "lr_scheduler": "constant", "grad_clip": 1.0, "data_path": "demo:charclass",
-                    "checkpoint_every": 0, "export_hf": False},
+                    "checkpoint_every": 0, "export_hf": False, "param_dtype": PARAM_DTYPE[precision]},
         "algorithm": {"max_staleness": staleness, "loss_agg_mode": "token-mean", "clip_ratio_low": 0.2,
                       "clip_ratio_high": 0.28, "use_kl_loss": False, "entropy_coeff": 0.0},
         "weight_sync": {"transport": {"type": "filesystem"}, "sync_every": 1},
@@ -86,9 +91,10 @@ def tether_trial(*, model: Path, tokens: int, staleness: int, seed: int, steps: 
     }
 
 
-def trl_trial(*, model: Path, tokens: int, seed: int, steps: int, out: Path) -> dict:
+def trl_trial(*, model: Path, tokens: int, seed: int, steps: int, out: Path, precision: str) -> dict:
     """One TRL run in a fresh child process (``--trl-child``)."""
-    spec = json.dumps({"model": str(model), "tokens": tokens, "seed": seed, "steps": steps, "out": str(out)})
+    spec = json.dumps({"model": str(model), "tokens": tokens, "seed": seed, "steps": steps, "out": str(out),
+                       "bf16": precision == "bf16"})  # fmt: skip
     result = subprocess.run([sys.executable, __file__, "--trl-child", spec], cwd=REPO, capture_output=True,
                             text=True)  # fmt: skip
     if result.returncode != 0:
@@ -127,6 +133,7 @@ def trl_child(spec: dict) -> None:
     config = GRPOConfig(
         output_dir=str(Path(spec["out"]) / f"trl-seed{seed}"),
         use_cpu=True,
+        bf16=spec["bf16"],  # TRL's default is True, on CPU too (autocast for generation and training)
         seed=seed,
         max_steps=steps,
         per_device_train_batch_size=PROMPTS * SAMPLES,
@@ -210,6 +217,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--skip", type=int, default=3, help="steps excluded from timing (start-up)")
     parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=list(SIZES))
+    parser.add_argument("--precision", choices=sorted(PARAM_DTYPE), default="bf16",
+                        help="both sides: TRL bf16, tether learner.param_dtype (default: TRL's)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--out", type=Path, help="keep the run folders here (default: a temporary folder)")
     parser.add_argument("--trl-child", help=argparse.SUPPRESS)
@@ -238,7 +247,8 @@ def main() -> None:
                 k = seed % len(SYSTEMS)  # rotate the order: each system runs first once every 3 seeds
                 for system in SYSTEMS[k:] + SYSTEMS[:k]:
                     print(f"{size} seed {seed}: {system} ...", flush=True)
-                    common = {"model": model, "tokens": sz["tokens"], "seed": seed, "steps": args.steps, "out": out}
+                    common = {"model": model, "tokens": sz["tokens"], "seed": seed, "steps": args.steps, "out": out,
+                              "precision": args.precision}  # fmt: skip
                     if system == "trl":
                         trials[system].append(trl_trial(**common))
                     else:
@@ -246,11 +256,11 @@ def main() -> None:
             results[size] = report(size, trials, args.skip)
             for system, goal in (("async", 1.5), ("sync", 1.0)):  # the issue's goals: samples/s vs TRL's
                 fig = figure(
-                    f"vs_trl/{size}_{system}_samples_per_s",
+                    f"vs_trl/{size}_{system}_samples_per_s" + ("" if args.precision == "bf16" else "_fp32"),
                     results[size][f"ratio_{system}"],
                     goal=goal,
                     direction="min",
-                    baseline=f"TRL GRPOTrainer on the same job, same seed ({size})",
+                    baseline=f"TRL GRPOTrainer on the same job, same seed ({size}, {args.precision} on both sides)",
                 )
                 report_figure(fig, quick=args.quick)
     if args.json:

@@ -79,8 +79,10 @@ class LearnerConfig(Section):
     grad_clip: float = Field(default=1.0, gt=0)
     """Gradient norm clip."""
 
-    param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    """FSDP2 compute dtype of parameters on GPU (CPU always computes in float32)."""
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """FSDP2 compute dtype of parameters (master weights and optimizer state stay float32). ``auto``:
+    bfloat16 on GPU, float32 on CPU; ``bfloat16`` on CPU pays where the cores have native bf16 (AVX512-BF16,
+    AMX) — TRL's ``bf16=True`` default does the same there with autocast."""
 
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP2 gradient reduction dtype."""
