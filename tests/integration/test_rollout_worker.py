@@ -71,8 +71,11 @@ def _prompts(n: int):
         )
 
 
-def test_prompt_worker_turns_n_prompts_into_n_groups(server: ServerProcess, redis_url: str, run_id: str) -> None:
-    client = redis.Redis.from_url(redis_url)
+def test_prompt_worker_turns_n_prompts_into_n_groups(server: ServerProcess, redis_server: str, run_id: str) -> None:
+    # The session's Redis, not the ``redis_url`` fixture: that one flushes the database when the test starts,
+    # after the module's server registered, and on a fast machine the groups were done before its next
+    # heartbeat put the entry back (the run id is this module's own, so nothing else shares these keys).
+    client = redis.Redis.from_url(redis_server)
     keys = RedisKeys(run_id)
     n = 5
     assert PromptQueue(client, keys).feed(_prompts(n), version=0, prompts_per_version=100, max_staleness=0) == n
@@ -95,7 +98,7 @@ def test_prompt_worker_turns_n_prompts_into_n_groups(server: ServerProcess, redi
     client.close()
 
 
-def test_sigterm_drains_in_flight_work_and_exits_zero(server: ServerProcess, redis_url: str, run_id: str) -> None:
+def test_sigterm_drains_in_flight_work_and_exits_zero(server: ServerProcess, redis_server: str, run_id: str) -> None:
     result: dict[str, object] = {}
 
     def long_stream() -> None:
@@ -110,7 +113,7 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(server: ServerProcess, red
     assert server.terminate(timeout_s=60) == 0
     thread.join(timeout=10)
     assert result.get("finish") in (trajectory_pb2.FINISH_REASON_STOP, trajectory_pb2.FINISH_REASON_LENGTH), result
-    client = redis.Redis.from_url(redis_url)
+    client = redis.Redis.from_url(redis_server)
     assert ServerRegistry(client, RedisKeys(run_id)).live() == []  # deregistered on the way out
     client.close()
     assert "rollout_server_stopped" in server.log_tail(60)

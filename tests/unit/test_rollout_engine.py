@@ -118,10 +118,11 @@ async def test_seed_reproduces_and_greedy_is_deterministic(engine) -> None:
 
 async def test_pause_keep_freezes_and_tokens_carry_the_new_version(engine) -> None:
     ids = engine.tokenizer("v")["input_ids"]
-    task = asyncio.create_task(engine.generate(ids, SamplingSpec(n=1, max_tokens=60)))
+    # Seed 0 runs this row to its 500-token limit (~0.3 s here; 60 unseeded tokens took 35 ms on a fast
+    # VM, so the request could finish before the pause): pause while it is surely still running.
+    task = asyncio.create_task(engine.generate(ids, SamplingSpec(n=1, max_tokens=500, seed=0)))
     while engine.running_requests == 0 or not engine._running_rows:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.05)
+        await asyncio.sleep(0.005)
     await engine.pause("keep")
     assert engine.paused and not task.done()
     engine.policy_version = 1  # what weight sync does after a load
