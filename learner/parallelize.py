@@ -37,7 +37,7 @@ def compute_dtype(cfg: TetherConfig, device: torch.device) -> torch.dtype:
 
 def mixed_precision_policy(cfg: TetherConfig, device: torch.device) -> MixedPrecisionPolicy:
     param_dtype = compute_dtype(cfg, device)
-    if param_dtype == torch.float32:  # nothing to reduce in a lower precision than it was computed in
+    if device.type != "cuda" and param_dtype == torch.float32:  # CPU in float32: gloo reduces in float32
         return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     if device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         log.warning("learner_bf16_emulated", hint="this CPU has no native bf16: param_dtype float32 is faster")

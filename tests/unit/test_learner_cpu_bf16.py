@@ -36,6 +36,9 @@ def test_auto_is_bf16_on_gpu_float32_on_cpu_and_an_explicit_bf16_applies_on_cpu(
     policy = mixed_precision_policy(_cfg(tmp_path, "bfloat16"), cpu)
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert mixed_precision_policy(_cfg(tmp_path, "auto"), cpu).param_dtype == torch.float32
+    on_gpu = _cfg(tmp_path, "float32")
+    on_gpu.learner.reduce_dtype = "bfloat16"  # on GPU a float32 step still reduces as configured
+    assert mixed_precision_policy(on_gpu, cuda).reduce_dtype == torch.bfloat16
 
 
 def _step(model_dir: Path, param_dtype: str) -> tuple[dict, dict[str, torch.Tensor], set[torch.dtype], dict]:
@@ -49,8 +52,8 @@ def _step(model_dir: Path, param_dtype: str) -> tuple[dict, dict[str, torch.Tens
     model = parallelize(load_actor(cfg, device), cfg, device)
     trainer = Trainer(cfg, model, device=device, ref_model=None)
     seen: set[torch.dtype] = set()
-    block = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
-    block.register_forward_hook(lambda _m, _i, out: seen.add(out.dtype))
+    linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    linear.register_forward_hook(lambda _m, _i, out: seen.add(out.dtype))
     grads: dict[str, torch.Tensor] = {}
 
     def keep_grads(*_) -> None:
