@@ -24,8 +24,10 @@ full-size zero tensor per sequence. GQA runs through sdpa's ``enable_gqa`` (no `
 
 from __future__ import annotations
 
+import functools
 import itertools
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -66,17 +68,55 @@ def varlen_sdpa(query: Tensor, key: Tensor, value: Tensor, lengths: list[int], *
 
     query ``[1, H, T, D]``, key/value ``[1, H_kv, T, D]`` (``H % H_kv == 0``), ``sum(lengths) == T``;
     returns ``[1, H, T, D]``. Equal to running sdpa on every sequence alone and concatenating.
+
+    Sequences of equal length run as one batch (see :func:`length_buckets`): a GRPO group's samples share
+    their prompt, so full-length completions make whole groups one sdpa call each instead of one per sample.
     """
-    gqa = query.shape[1] != key.shape[1]
+    attend = functools.partial(
+        F.scaled_dot_product_attention, is_causal=True, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+    )
     if len(lengths) == 1:
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
-    outs = [
-        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        for q, k, v in zip(
-            query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2), strict=True
-        )
-    ]
-    return torch.cat(outs, dim=2)
+        return attend(query, key, value)
+    order, inverse, buckets = length_buckets(tuple(lengths), query.device)
+    if order is None:  # every length distinct: one call per sequence, no gather
+        parts = zip(query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2), strict=True)
+        return torch.cat([attend(q, k, v) for q, k, v in parts], dim=2)
+    sizes = [n * length for n, length in buckets]
+    per_bucket = (x[0].index_select(1, order).split(sizes, dim=1) for x in (query, key, value))
+    outs = []
+    for (n, length), q, k, v in zip(buckets, *per_bucket, strict=True):
+        # [H, n·L, D] -> [n, H, L, D]: the bucket's sequences become the batch
+        q, k, v = (x.unflatten(1, (n, length)).transpose(0, 1) for x in (q, k, v))
+        outs.append(attend(q, k, v).transpose(0, 1).flatten(1, 2))
+    return torch.cat(outs, dim=1).index_select(1, inverse).unsqueeze(0)
+
+
+@functools.lru_cache(maxsize=16)
+def _bucket_plan(lengths: tuple[int, ...]) -> tuple[np.ndarray | None, np.ndarray | None, list[tuple[int, int]]]:
+    by_length: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        by_length.setdefault(n, []).append(i)
+    if len(by_length) == len(lengths):
+        return None, None, []
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    order = np.concatenate([(starts[idx][:, None] + np.arange(n)).ravel() for n, idx in by_length.items()])
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(order.size)
+    return order, inverse, [(len(idx), n) for n, idx in by_length.items()]
+
+
+def length_buckets(lengths: tuple[int, ...], device: torch.device) -> tuple[Tensor | None, Tensor | None, list]:
+    """How a packed row's sequences group by length: ``(order, inverse, [(count, length), ...])``.
+
+    ``order`` gathers the row's token positions bucket by bucket (each bucket's sequences back to back,
+    so it reshapes to ``[count, length]``); ``inverse`` puts the results back. ``(None, None, [])`` when
+    no two sequences share a length (nothing to batch). Every layer of a forward sees the same lengths,
+    so the plan is computed once and cached.
+    """
+    order, inverse, buckets = _bucket_plan(lengths)
+    if order is None:
+        return None, None, []
+    return torch.from_numpy(order).to(device), torch.from_numpy(inverse).to(device), buckets
 
 
 def _lengths(query: Tensor, kwargs: dict) -> list[int]:

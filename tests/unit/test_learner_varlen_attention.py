@@ -34,10 +34,14 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[
     return torch.cat(outs, dim=2).to(q.dtype)
 
 
+DISTINCT = [1, 17, 5, 64, 3, 30]
+SHARED = [9, 17, 9, 9, 1, 17, 30, 9, 1]  # buckets of 4, 2, 2 and 1 sequences, interleaved
+
+
+@pytest.mark.parametrize("lengths", [DISTINCT, SHARED], ids=["distinct", "shared"])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (6, 1)])
-def test_varlen_sdpa_equals_each_sequence_alone(heads: int, kv_heads: int) -> None:
-    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
-    lengths = [1, 17, 5, 64, 3, 30]
+def test_varlen_sdpa_equals_each_sequence_alone(heads: int, kv_heads: int, lengths: list[int]) -> None:
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads + len(lengths))
     total, dim = sum(lengths), 16
     q = torch.randn(1, heads, total, dim, generator=g, requires_grad=True)
     k = torch.randn(1, kv_heads, total, dim, generator=g, requires_grad=True)
@@ -50,6 +54,27 @@ def test_varlen_sdpa_equals_each_sequence_alone(heads: int, kv_heads: int) -> No
     want_grads = torch.autograd.grad(want, (q, k, v), upstream)
     for got, exp in zip(got_grads, want_grads, strict=True):
         assert_close(got, exp, atol=1e-5, rtol=1e-5)
+
+
+def test_sequences_of_one_length_share_one_sdpa_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One call per distinct length (4 here, not 9), each with that length's sequences as its batch;
+    distinct lengths keep one call per sequence."""
+    from learner import varlen_attention
+
+    calls: list[tuple[int, ...]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(q, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(tuple(q.shape))
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(varlen_attention.F, "scaled_dot_product_attention", counted)
+    for lengths in (SHARED, DISTINCT):
+        calls.clear()
+        q = torch.randn(1, 2, sum(lengths), 8)
+        varlen_sdpa(q, q, q, lengths, scale=None)
+        counts = {n: lengths.count(n) for n in lengths}
+        assert sorted(calls) == sorted((counts[n], 2, n, 8) for n in (counts if lengths is SHARED else lengths))
 
 
 def test_boundaries_from_position_ids_match_the_lengths() -> None:
@@ -65,8 +90,8 @@ def _model(attn: str) -> torch.nn.Module:
     return tiny_qwen2(attn, max_position=1024)
 
 
-def test_packed_gradients_equal_the_sum_over_sequences_alone() -> None:
-    lengths = [7, 20, 2, 13]
+@pytest.mark.parametrize("lengths", [[7, 20, 2, 13], [7, 20, 7, 7, 13, 20]], ids=["distinct", "shared"])
+def test_packed_gradients_equal_the_sum_over_sequences_alone(lengths: list[int]) -> None:
     ids = torch.randint(0, 64, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     packed, alone = _model(VARLEN), _model("sdpa")
