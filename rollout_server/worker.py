@@ -14,6 +14,7 @@ by a drain stays unacknowledged and is reclaimed by another server. While the en
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import redis
@@ -53,8 +54,9 @@ class PromptWorker:
     async def _loop(self, index: int) -> None:
         s = self.state
         while not s.draining:
-            if s.engine.paused:
-                await asyncio.sleep(0.05)
+            if s.engine.paused:  # a weight update: take the next prompt the moment it ends
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(s.engine.wait_resumed(), timeout=0.5)  # bounded: a drain may begin
                 continue
             if await self.evaluator.step():
                 continue

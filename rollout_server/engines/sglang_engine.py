@@ -66,8 +66,7 @@ class SglangEngine(Engine):
             self.llm = None
 
     async def stream(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
-        while self._paused:
-            await asyncio.sleep(0.05)
+        await self.wait_resumed()
         params = {
             "n": 1,
             "temperature": spec.temperature,

@@ -225,6 +225,9 @@ class TransformersEngine(Engine):
     def paused(self) -> bool:
         return not self._admit.is_set()
 
+    async def wait_resumed(self) -> None:
+        await self._admit.wait()
+
     @property
     def running_requests(self) -> int:
         return len(self._requests) - self.queued_requests

@@ -180,6 +180,9 @@ class VllmEngine(Engine):
     def paused(self) -> bool:
         return self._paused
 
+    async def wait_resumed(self) -> None:
+        await self._resumed.wait()
+
     @property
     def running_requests(self) -> int:
         return self._running

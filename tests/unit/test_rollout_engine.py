@@ -133,6 +133,53 @@ async def test_pause_keep_freezes_and_tokens_carry_the_new_version(engine) -> No
     assert s.versions[0] == 0 and s.versions[-1] == 1 and sorted(s.versions) == s.versions
 
 
+async def test_a_paused_engine_wakes_its_waiters_on_resume(engine) -> None:
+    """Prompt workers wait through a weight update on ``wait_resumed()``, not on a timer: it returns in
+    the loop turns right after ``resume`` (a 50 ms poll here stalled one demo step in eight by ~45 ms),
+    and at once when the engine is not paused."""
+    await asyncio.wait_for(engine.wait_resumed(), timeout=5)
+    await engine.pause("keep")
+    waiter = asyncio.create_task(engine.wait_resumed())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not waiter.done()
+    await engine.resume()
+    for _ in range(3):  # loop turns only: no timer can have fired
+        await asyncio.sleep(0)
+    assert waiter.done()
+
+
+async def test_the_prompt_worker_waits_for_resume_instead_of_polling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker loop of a paused server awaits the engine's resume; it never sleeps a poll period."""
+    from types import SimpleNamespace
+
+    from rollout_server import worker as worker_module
+
+    sleeps: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recorded(delay: float, *args):  # type: ignore[no-untyped-def]
+        sleeps.append(delay)
+        return await real_sleep(0)
+
+    monkeypatch.setattr(worker_module.asyncio, "sleep", recorded)
+    state = SimpleNamespace(draining=False)
+
+    class Paused:
+        paused = True
+        waits = 0
+
+        async def wait_resumed(self) -> None:
+            self.waits += 1
+            state.draining = self.waits == 3  # the third wait ends the loop
+
+    state.engine = Paused()
+    w = worker_module.PromptWorker.__new__(worker_module.PromptWorker)
+    w.state = state
+    await asyncio.wait_for(w._loop(0), timeout=5)
+    assert state.engine.waits == 3 and sleeps == []
+
+
 async def test_keep_tags_each_token_with_the_weights_that_produced_it(engine) -> None:
     """New weights with a zero (tied) output embedding give exactly uniform logits, so every token tagged
     with the new version must have log-prob -log V; a token sampled from logits of the old weights but
