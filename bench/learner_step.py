@@ -2,7 +2,8 @@
 
     python bench/learner_step.py [--quick] [--repeats N]
 
-One learner rank (gloo, FSDP2 on a one-rank mesh, as ``tether up`` runs the demo) trains the demo model
+One learner rank (gloo, FSDP2 on a one-rank mesh — what a one-rank learner with ``learner.cpu_offload`` runs;
+without it one rank now trains the plain module, see ``learner.parallelize``) trains the demo model
 (64 wide × 2 layers, ``configs/demo.yaml``'s knobs: 8 prompts × 8 samples, 8 completion tokens) on fixed
 synthetic groups and publishes every step to one standalone receiver process over the demo's
 filesystem transport (snapshot + Prepare/Commit, the receiver loading the snapshot). Levers, each
@@ -84,7 +85,7 @@ class Learner:
         os.environ["MASTER_PORT"] = str(free_port())
         dist.init_process_group("gloo")
         device = torch.device("cpu")
-        self.model = parallelize(load_model(cfg, device), cfg, device)
+        self.model = parallelize(load_model(cfg, device), cfg, device, shard=True)
         self.trainer = Trainer(cfg, self.model, device=device, ref_model=None)
         self.receiver = ReceiverProcess(config=config, model=model_dir, workdir=workdir)
         self.sender = WeightSender(cfg, model=self.model, servers=[self.receiver.address])

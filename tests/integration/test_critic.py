@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
+from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
 from learner.checkpoint import TrainState, load_checkpoint, save_checkpoint
@@ -116,7 +117,8 @@ def test_two_ranks_match_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
 
 
 def _flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.full_tensor().flatten() for p in model.parameters()]).detach().clone()
+    full = [p.full_tensor() if isinstance(p, DTensor) else p for p in model.parameters()]
+    return torch.cat([p.flatten() for p in full]).detach().clone()
 
 
 def test_critic_warmup_holds_the_actor_and_trains_the_critic(tiny_model_dir: Path) -> None:

@@ -1,15 +1,16 @@
 """``learner.param_dtype: bfloat16`` computes in bf16 on CPU too, with float32 master weights and grads.
 
-TRL's ``bf16=True`` default runs its CPU training under bf16 autocast; tether's learner offers the same
-through FSDP2's mixed precision (the GPU path's mechanism), which used to be forced off on CPU. The
-reference for the numbers is the same step in float32 on the same model and groups: a real one-rank gloo
-group, FSDP2 and the real tiny model.
+TRL's ``bf16=True`` default runs its CPU training under bf16 autocast; tether's learner offers the same,
+through FSDP2's mixed precision where the model is sharded and through autocast where one rank runs it
+unsharded (the default at world size 1). The reference for the numbers is the same step in float32 on the
+same model and groups: a real one-rank gloo group and the real tiny model, both ways.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -41,7 +42,12 @@ def test_auto_is_bf16_on_gpu_float32_on_cpu_and_an_explicit_bf16_applies_on_cpu(
     assert mixed_precision_policy(on_gpu, cuda).reduce_dtype == torch.bfloat16
 
 
-def _step(model_dir: Path, param_dtype: str) -> tuple[dict, dict[str, torch.Tensor], set[torch.dtype], dict]:
+def _step(
+    model_dir: Path, param_dtype: str, shard: bool | None
+) -> tuple[dict, dict[str, torch.Tensor], set[torch.dtype], dict]:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
     from learner.parallelize import load_actor, parallelize
     from learner.synthetic import make_groups
     from learner.trainer import Trainer
@@ -49,7 +55,8 @@ def _step(model_dir: Path, param_dtype: str) -> tuple[dict, dict[str, torch.Tens
     cfg = _cfg(model_dir, param_dtype)
     device = torch.device("cpu")
     torch.manual_seed(0)
-    model = parallelize(load_actor(cfg, device), cfg, device)
+    model = parallelize(load_actor(cfg, device), cfg, device, shard=shard)
+    assert isinstance(model, FSDPModule) == bool(shard)  # one rank, nothing offloaded: unsharded by default
     trainer = Trainer(cfg, model, device=device, ref_model=None)
     seen: set[torch.dtype] = set()
     linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -57,7 +64,8 @@ def _step(model_dir: Path, param_dtype: str) -> tuple[dict, dict[str, torch.Tens
     grads: dict[str, torch.Tensor] = {}
 
     def keep_grads(*_) -> None:
-        grads.update({n: p.grad.full_tensor().detach().clone() for n, p in model.named_parameters()})
+        full = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
+        grads.update({n: g.detach().clone() for n, g in full.items()})
 
     trainer.optimizer.register_step_pre_hook(keep_grads)
     metrics = trainer.train_step(make_groups(4, 4, vocab=256, seed=0), version=1)
@@ -65,9 +73,12 @@ def _step(model_dir: Path, param_dtype: str) -> tuple[dict, dict[str, torch.Tens
     return metrics, grads, seen, dtypes
 
 
-def test_a_bf16_step_on_cpu_computes_in_bf16_and_agrees_with_float32(one_rank: None, model_dir: Path) -> None:
-    ref, ref_grads, ref_seen, _ = _step(model_dir, "float32")
-    got, grads, seen, dtypes = _step(model_dir, "bfloat16")
+@pytest.mark.parametrize("shard", [None, True], ids=["unsharded-autocast", "fsdp2-mixed-precision"])
+def test_a_bf16_step_on_cpu_computes_in_bf16_and_agrees_with_float32(
+    one_rank: None, model_dir: Path, shard: bool | None
+) -> None:
+    ref, ref_grads, ref_seen, _ = _step(model_dir, "float32", shard)
+    got, grads, seen, dtypes = _step(model_dir, "bfloat16", shard)
     assert ref_seen == {torch.float32}
     assert seen == {torch.bfloat16}  # the matmuls ran in bf16 ...
     assert set(dtypes.values()) == {torch.float32}  # ... the master weights stayed float32 ...

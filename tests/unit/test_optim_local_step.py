@@ -30,7 +30,7 @@ def _trainer(model_dir: Path):  # type: ignore[no-untyped-def]
         }
     )  # fmt: skip
     torch.manual_seed(0)
-    model = parallelize(load_model(cfg, torch.device("cpu")), cfg, torch.device("cpu"))
+    model = parallelize(load_model(cfg, torch.device("cpu")), cfg, torch.device("cpu"), shard=True)
     return Trainer(cfg, model, device=torch.device("cpu"), ref_model=None)
 
 

@@ -96,7 +96,7 @@ def _steps(model_dir: Path, steps: int = 2) -> tuple[list[dict[str, float]], dic
         }
     )  # fmt: skip
     torch.manual_seed(0)
-    model = parallelize(load_model(cfg, torch.device("cpu")), cfg, torch.device("cpu"))
+    model = parallelize(load_model(cfg, torch.device("cpu")), cfg, torch.device("cpu"), shard=True)
     trainer = Trainer(cfg, model, device=torch.device("cpu"), ref_model=None)
     metrics = []
     for step in range(steps):
