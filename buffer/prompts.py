@@ -55,7 +55,8 @@ class PromptQueue:
         self._scripts = Scripts(client)
         self._claim_cursor = "0-0"
         self.admission: dict[str, int] = {}
-        """After each :meth:`feed`: the issued total and the prompts given back to admission."""
+        """After each :meth:`feed`: the issued total, the prompts given back to admission and the version
+        the feed counted from (a background publication feeds at a newer one than the step's)."""
         ensure_group(client, keys.prompts, PROMPT_GROUP)
 
     # -- learner rank 0 ----------------------------------------------------------------------------------
@@ -77,7 +78,7 @@ class PromptQueue:
             max_staleness=max_staleness,
         )  # fmt: skip
         batch = list(itertools.islice(prompts, allowed))
-        self.admission = {"prompts_issued": issued + len(batch), "prompts_given_back": wasted}
+        self.admission = {"prompts_issued": issued + len(batch), "prompts_given_back": wasted, "version": version}
         if not batch:
             return 0
         pipe = self.client.pipeline(transaction=True)  # entries and the issued counter move together

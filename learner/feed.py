@@ -79,12 +79,15 @@ class Feed:
                 max_staleness=self.cfg.algorithm.max_staleness,
             )
 
-    def admission_metrics(self, version: int) -> dict[str, float]:
-        """The admission count after the last feed, beside its bound (so a run's metrics show it held)."""
-        if not self.queue.admission:
+    def admission_metrics(self) -> dict[str, float]:
+        """The admission count after the last feed, beside the bound it was held to (so a run's metrics show
+        it held). The bound is the one of the version that feed counted from, read with it: a background
+        publication may feed at a newer version between a step's reading the servers' version and this."""
+        admission = self.queue.admission  # replaced whole by each feed: one consistent snapshot
+        if not admission:
             return {}
-        bound = (self.cfg.algorithm.max_staleness + version + 1) * self.prompts_per_version
-        issued, given_back = self.queue.admission["prompts_issued"], self.queue.admission["prompts_given_back"]
+        bound = (self.cfg.algorithm.max_staleness + admission["version"] + 1) * self.prompts_per_version
+        issued, given_back = admission["prompts_issued"], admission["prompts_given_back"]
         return {
             "buffer/prompts_issued": float(issued),
             "buffer/prompts_given_back": float(given_back),

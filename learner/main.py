@@ -133,7 +133,7 @@ class Learner:
             with self.profiler(state.step + 1), nvtx(f"step{state.step + 1}"):
                 out = self.trainer.train_step(groups, version=state.version, step=state.step)
             if zero is not None:  # after the optimizer step that used them
-                out.update(zero.trained(batch, step=state.step + 1, servers_version=publisher.published))
+                out.update(zero.trained(batch, step=state.step + 1))
                 state.data_position = zero.feed.position
             state.step += 1
             t_sync = time.perf_counter()

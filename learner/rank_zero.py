@@ -110,12 +110,12 @@ class RankZero:
             stop = STOP_ASKED
         return batch, stop
 
-    def trained(self, batch: list, *, step: int, servers_version: int) -> dict[str, float]:
+    def trained(self, batch: list, *, step: int) -> dict[str, float]:
         """After the optimizer step that used ``batch`` (step ``step``): acknowledge and trace it; the
         admission metrics."""
         self.feed.ack(batch)
         self.trace.write(batch, step=step)
-        return self.feed.admission_metrics(servers_version)
+        return self.feed.admission_metrics()
 
     def after_step(self, step: int, version: int, row: dict[str, float], *, servers_version: int) -> None:
         self.live.update(step, version, row)
