@@ -77,6 +77,49 @@ def test_sequences_of_one_length_share_one_sdpa_call(monkeypatch: pytest.MonkeyP
         assert sorted(calls) == sorted((counts[n], 2, n, 8) for n in (counts if lengths is SHARED else lengths))
 
 
+def _sdpa_dtypes(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
+    """The dtype sdpa really computes in, call by call (after autocast's own cast, as the kernel sees it)."""
+    from learner import varlen_attention
+
+    seen: list[torch.dtype] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(q, *args, **kwargs):  # type: ignore[no-untyped-def]
+        cast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")
+        seen.append(cast if cast else q.dtype)
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(varlen_attention.F, "scaled_dot_product_attention", recorded)
+    return seen
+
+
+def test_short_half_precision_sequences_attend_in_float32_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 inputs (FSDP2 mixed precision) and float32 inputs under bf16 autocast (an unsharded learner)
+    both attend in float32 below FLOAT32_BELOW tokens and give the float32 numbers; from there on bf16 stays."""
+    from learner.varlen_attention import FLOAT32_BELOW
+
+    seen = _sdpa_dtypes(monkeypatch)
+    g = torch.Generator().manual_seed(7)
+    lengths = [20, 20, 9]
+    q, k, v = (torch.randn(1, 2, sum(lengths), 16, generator=g) for _ in range(3))
+    want = _reference(q, k, v, lengths)
+    half = varlen_sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16(), lengths, scale=None)
+    assert half.dtype == torch.bfloat16 and seen == [torch.float32] * 2
+    assert_close(half.float(), want, atol=2e-2, rtol=2e-2)  # the inputs' own bf16 rounding only
+    seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = varlen_sdpa(q, k, v, lengths, scale=None)
+        assert seen == [torch.float32] * 2
+        seen.clear()
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert seen == [torch.bfloat16]  # plain sdpa under this autocast runs in bf16
+    seen.clear()
+    assert_close(auto.float(), want, atol=1e-5, rtol=1e-5)
+    long = torch.randn(1, 2, FLOAT32_BELOW, 16, generator=g, dtype=torch.bfloat16)
+    varlen_sdpa(long, long, long, [FLOAT32_BELOW], scale=None)
+    assert seen == [torch.bfloat16]
+
+
 def test_boundaries_from_position_ids_match_the_lengths() -> None:
     lengths = [3, 1, 4, 2]
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
