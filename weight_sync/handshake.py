@@ -52,6 +52,10 @@ class ControlClients:
         stage: str,
     ) -> tuple[dict[str, object], dict[str, str]]:
         """Call ``method`` on every address at once; returns (responses, errors) keyed by address."""
+        return self.start_all(method, requests, timeout_s=timeout_s, stage=stage).result()
+
+    def start_all(self, method: str, requests: dict[str, object], *, timeout_s: float, stage: str) -> PendingCalls:
+        """Start ``method`` on every address and return at once; :meth:`PendingCalls.result` collects them."""
         futures = {}
         errors: dict[str, str] = {}
         for address, request in requests.items():
@@ -60,6 +64,24 @@ class ControlClients:
                 futures[address] = rpc.future(request, timeout=timeout_s, metadata=self._metadata)
             except Exception as exc:  # e.g. a malformed address
                 errors[address] = str(exc)
+        return PendingCalls(futures, errors, stage)
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+        self._stubs.clear()
+
+
+class PendingCalls:
+    """Calls started on several servers; :meth:`result` waits for them (each bounded by its deadline)."""
+
+    def __init__(self, futures: dict, errors: dict[str, str], stage: str) -> None:
+        self.futures, self.errors, self.stage = futures, errors, stage
+
+    def result(self) -> tuple[dict[str, object], dict[str, str]]:
+        """(responses, errors) keyed by address; every error is logged."""
+        futures, errors, stage = self.futures, self.errors, self.stage
         responses: dict[str, object] = {}
         for address, future in futures.items():
             try:
@@ -69,12 +91,6 @@ class ControlClients:
         for address, error in errors.items():
             log.warning("weight_sync_receiver_dropped", stage=stage, server=address, error=error)
         return responses, errors
-
-    def close(self) -> None:
-        for channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
-        self._stubs.clear()
 
 
 def abort_all(

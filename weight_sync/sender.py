@@ -198,12 +198,25 @@ class WeightSender:
         on_done: Callable[[dict[str, float]], None] | None = None,
     ) -> dict[str, float]:
         """Rank 0: prepare → begin → send (gathering now when ``staged`` is None, else the staged buckets)
-        → snapshot → commit → metrics."""
+        → snapshot → commit → metrics.
+
+        A transport whose receivers do not join a group (the filesystem snapshot: each reads on its own at
+        commit) needs no answer before the bytes are written, so its Prepare round trip runs while the
+        snapshot is written instead of before it (a tenth of a demo step in sync mode).
+        """
         if staged is not None and self.transport.device.type == "cuda":
             torch.cuda.set_device(self.transport.device)  # the current device is per thread
         update_id = f"v{version}-{uuid.uuid4().hex[:12]}"
         dropped: dict[str, str] = {}
-        ready = self._prepare(servers, version, update_id, dropped) if servers else []
+        overlapped = None
+        if servers and not self.transport.joins_receivers:
+            overlapped = self.clients.start_all(
+                "PrepareWeightUpdate", self._plans(servers, version, update_id),
+                timeout_s=self.wcfg.prepare_timeout_s, stage="prepare",
+            )  # fmt: skip
+            ready = list(servers)  # provisionally: the answers are read before commit
+        else:
+            ready = self._prepare(servers, version, update_id, dropped) if servers else []
         prepare_s = time.perf_counter() - start
         sending = bool(ready) and self.transport.begin(update_id, ready)
         if ready and not sending:
@@ -225,6 +238,9 @@ class WeightSender:
         gather_s = time.perf_counter() - gather_start
         if snapshot is not None:
             snapshot.commit(keep=self.wcfg.keep_snapshots)
+        if overlapped is not None:
+            ready = self._ready(servers, *overlapped.result(), dropped)
+            prepare_s = time.perf_counter() - start
         commit_start = time.perf_counter()
         reached = self._commit(ready, version, update_id, transfer_ok, snapshot is not None, dropped)
         seconds = time.perf_counter() - start
@@ -282,6 +298,15 @@ class WeightSender:
             for s in servers
         }
 
+    @staticmethod
+    def _ready(candidates: list[str], responses: dict, errors: dict[str, str], dropped: dict[str, str]) -> list[str]:
+        """The candidates that answered Prepare ready; the others go to ``dropped`` with why."""
+        dropped.update(errors)
+        for s in candidates:
+            if s in responses and not responses[s].ready:
+                dropped[s] = f"declined (at version {responses[s].current_version})"
+        return [s for s in candidates if s in responses and responses[s].ready]
+
     def _prepare(self, servers: list[str], version: int, update_id: str, dropped: dict[str, str]) -> list[str]:
         """Ready servers. A collective group needs exactly its planned members, so when some fail the
         survivors are planned again once under a new epoch (still one update)."""
@@ -291,11 +316,7 @@ class WeightSender:
             responses, errors = self.clients.call_all(
                 "PrepareWeightUpdate", plans, timeout_s=self.wcfg.prepare_timeout_s, stage="prepare"
             )
-            dropped.update(errors)
-            ready = [s for s in candidates if s in responses and responses[s].ready]
-            for s in candidates:
-                if s in responses and not responses[s].ready:
-                    dropped[s] = f"declined (at version {responses[s].current_version})"
+            ready = self._ready(candidates, responses, errors, dropped)
             if len(ready) == len(candidates) or not self.transport.joins_receivers or not ready:
                 return ready
             self.transport.begin(update_id, ready)  # members differ: releases the waiting ones with "0"
