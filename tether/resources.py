@@ -10,9 +10,12 @@ Threads: with ``max_staleness: 0`` generation and training alternate, so the lea
 every core (issue 23's probe on an idle 2-core machine: learner compute 1.63 → 0.85 s per step at 256
 wide with two threads instead of one). The rollout server keeps its even share: at these sizes decoding
 with two threads was slower than with one (same probe) — small-batch decoding is a chain of small
-kernels. With overlap (``max_staleness > 0``) both run at once, so the cores are split evenly;
-oversubscribing them (two threads each on two cores) was slower, 1.62 → 2.24 s per step. A split
-weighted by each phase's measured time would differ from the even one only with more cores than
+kernels. Nor do extra learner threads pay for a narrow model: below :data:`PARALLEL_MIN_HIDDEN` its
+kernels are too small for an OpenMP team (bf16, quiet: the 64 wide × 2 layers sync step ~10 % slower
+with two learner threads; 256 wide × 4: 0.92 → 0.75 s per step with two), so a narrow model's learner
+keeps its even share too. With overlap (``max_staleness > 0``) both run at once, so the cores are split
+evenly; oversubscribing them (two threads each on two cores) was slower, 1.62 → 2.24 s per step. A
+split weighted by each phase's measured time would differ from the even one only with more cores than
 processes, and needs the run's own timings; it is not done here. On a machine shared with other work,
 several intra-op threads per process can be far slower than one (their OpenMP barriers wait on
 descheduled threads): set ``OMP_NUM_THREADS=1`` there. A user's ``OMP_NUM_THREADS`` wins for every process.
@@ -22,9 +25,11 @@ No torch import here: the launcher and the config-time checks use it.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Literal
 
 from tether.config import TetherConfig
@@ -63,13 +68,30 @@ def local_cores() -> int:
         return os.cpu_count() or 1
 
 
+PARALLEL_MIN_HIDDEN = 256
+"""Models narrower than this train on the learner's even share of cores, in sync mode too (see above)."""
+
+
+def hidden_size(model_path: str) -> int | None:
+    """``hidden_size`` from the model folder's ``config.json`` (a multimodal one's ``text_config``); None
+    when there is no such file or field (a hub id not downloaded yet: then the model counts as wide)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size")
+    return int(size) if isinstance(size, int) else None
+
+
 def thread_counts(cfg: TetherConfig, *, cores: int) -> dict[Role, int]:
     """Intra-op threads of each learner rank and each rollout server started on this machine."""
     learners, servers = cfg.learner.nproc_per_node, max(0, cfg.rollout.num_servers)
     even = max(1, cores // max(1, learners + servers))
     if cfg.algorithm.max_staleness == 0:
-        # Phases alternate: the learner's turn has the machine to itself.
-        return {"learner": max(1, cores // learners), "rollout": even}
+        # Phases alternate: the learner's turn has the machine to itself, if its kernels can use it.
+        width = hidden_size(cfg.model.path) if cfg.model.path else None
+        if width is None or width >= PARALLEL_MIN_HIDDEN:
+            return {"learner": max(1, cores // learners), "rollout": even}
     return {"learner": even, "rollout": even}
 
 

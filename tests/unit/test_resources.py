@@ -72,6 +72,16 @@ def test_threads_per_mode(kwargs: dict, cores: int, expected: dict) -> None:
         assert thread_env(cfg, role, cores=cores, environ={}) == {"OMP_NUM_THREADS": str(n)}
 
 
+@pytest.mark.parametrize(("hidden", "learner"), [(64, 1), (255, 1), (256, 2), (None, 2)])
+def test_a_narrow_model_keeps_its_even_share_in_sync_mode(tmp_path, hidden: int | None, learner: int) -> None:
+    """Two learner threads made the 64-wide sync step slower and the 256-wide one faster; a model whose
+    width cannot be read counts as wide (the sync default)."""
+    (tmp_path / "config.json").write_text("{}" if hidden is None else f'{{"hidden_size": {hidden}}}')
+    cfg = _cfg(staleness=0).model_copy(update={"model": _cfg().model.model_copy(update={"path": str(tmp_path)})})
+    assert thread_counts(cfg, cores=2) == {"learner": learner, "rollout": 1}
+    assert thread_counts(cfg.model_copy(update={"algorithm": _cfg(staleness=1).algorithm}), cores=2)["learner"] == 1
+
+
 def test_users_omp_num_threads_wins() -> None:
     for staleness in (0, 1):
         cfg = _cfg(staleness=staleness)
