@@ -39,9 +39,13 @@ def mixed_precision_policy(cfg: TetherConfig, device: torch.device) -> MixedPrec
     param_dtype = compute_dtype(cfg, device)
     if device.type != "cuda" and param_dtype == torch.float32:  # CPU in float32: gloo reduces in float32
         return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    if device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        log.warning("learner_bf16_emulated", hint="this CPU has no native bf16: param_dtype float32 is faster")
+    _warn_if_emulated(param_dtype, device)
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_DTYPES[cfg.learner.reduce_dtype])
+
+
+def _warn_if_emulated(dtype: torch.dtype, device: torch.device) -> None:
+    if dtype == torch.bfloat16 and device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        log.warning("learner_bf16_emulated", hint="this CPU has no native bf16: param_dtype float32 is faster")
 
 
 def attn_implementation(cfg: TetherConfig, device: torch.device) -> str:
@@ -184,8 +188,7 @@ def _unsharded(model: torch.nn.Module, cfg: TetherConfig, device: torch.device, 
     model.to(device)
     dtype = compute_dtype(cfg, device)
     if dtype != torch.float32:
-        if device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            log.warning("learner_bf16_emulated", hint="this CPU has no native bf16: param_dtype float32 is faster")
+        _warn_if_emulated(dtype, device)
         model.forward = torch.autocast(device.type, dtype=dtype)(model.forward)
     _freeze_unless(trainable, model)
     log.info(

@@ -308,8 +308,8 @@ class WeightSender:
         return [s for s in candidates if s in responses and responses[s].ready]
 
     def _prepare(self, servers: list[str], version: int, update_id: str, dropped: dict[str, str]) -> list[str]:
-        """Ready servers. A collective group needs exactly its planned members, so when some fail the
-        survivors are planned again once under a new epoch (still one update)."""
+        """Ready servers of a transport they join (a collective). Its group needs exactly its planned
+        members, so when some fail the survivors are planned again once under a new epoch (still one update)."""
         candidates = servers
         for _ in range(2):
             plans = self._plans(candidates, version, update_id)
@@ -317,7 +317,7 @@ class WeightSender:
                 "PrepareWeightUpdate", plans, timeout_s=self.wcfg.prepare_timeout_s, stage="prepare"
             )
             ready = self._ready(candidates, responses, errors, dropped)
-            if len(ready) == len(candidates) or not self.transport.joins_receivers or not ready:
+            if len(ready) == len(candidates) or not ready:
                 return ready
             self.transport.begin(update_id, ready)  # members differ: releases the waiting ones with "0"
             candidates = ready
