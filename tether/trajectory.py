@@ -21,6 +21,8 @@ TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 VERSION_DTYPE = np.dtype("<i4")
 MASK_DTYPE = np.dtype("u1")
+# Policy versions travel as int64 on the wire but are stored per token as VERSION_DTYPE.
+MAX_POLICY_VERSION = int(np.iinfo(VERSION_DTYPE).max)
 
 # Behaviour log-probs of the sampler's processed distribution (temperature applied); "raw" ones are of
 # the model's T = 1 distribution whatever the temperature.

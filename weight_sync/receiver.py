@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tether.config import TetherConfig
 from tether.logs import get_logger
+from tether.trajectory import MAX_POLICY_VERSION
 from tether.v1 import control_pb2
 from weight_sync.buckets import dtype_from_name, tensor_bytes
 from weight_sync.snapshot import latest_snapshot, snapshot_root
@@ -173,6 +174,10 @@ def _validate(plan: control_pb2.WeightUpdatePlan) -> None:
         raise ValueError("WeightUpdatePlan.source: set filesystem or collective")
     if not plan.update_id:
         raise ValueError("WeightUpdatePlan.update_id is empty")
+    if not 0 < plan.version <= MAX_POLICY_VERSION:
+        # Every token carries its version in the buffer as int32; a larger one would be accepted here and
+        # then fail each episode close and trajectory write after the commit.
+        raise ValueError(f"WeightUpdatePlan.version {plan.version} is outside 1..{MAX_POLICY_VERSION}")
     for meta in plan.tensors:
         dtype_from_name(meta.dtype)
         if meta.bucket >= len(plan.buckets):

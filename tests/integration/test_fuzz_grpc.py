@@ -266,6 +266,21 @@ def test_fuzz_control_method(server: ServerProcess, channel: grpc.Channel, name:
     assert_healthy(server, channel)
 
 
+def test_version_past_int32_is_refused(server: ServerProcess, channel: grpc.Channel) -> None:
+    """Found by this fuzz: a plan of version 2**63-1 with no tensors committed, and from then on every
+    CloseEpisode failed INTERNAL (each token's version is stored as int32)."""
+    for version in (2**31, 2**63 - 1):
+        plan = control_pb2.WeightUpdatePlan(version=version, update_id="big", filesystem={"path": "/nonexistent"})
+        assert call(channel, f"/{CONTROL.full_name}/PrepareWeightUpdate", plan.SerializeToString()) == (
+            grpc.StatusCode.INVALID_ARGUMENT
+        )
+    with RolloutClient(server.address, timeout_s=60) as c:
+        assert c.status().policy_version < 2**31
+        ep = c.open_episode(text="count:")
+        c.step(ep.episode_id)
+        assert c.close_episode(ep.episode_id, reward=1.0).group_written
+
+
 @FUZZ
 @given(
     path=st.sampled_from(sorted(METHODS)), body=st.one_of(st.binary(max_size=512), st.binary(min_size=1, max_size=8))

@@ -103,6 +103,10 @@ async def test_abort_and_stale_and_invalid_plans(tmp_path: Path, tiny_model_dir:
 
     with pytest.raises(ValueError, match="source"):
         await receiver.prepare(_plan(sender, 1))
+    # Found by the gRPC fuzz: a version past int32 was committed, then every trajectory write failed.
+    for version in (0, -1, 2**31, 2**63 - 1):
+        with pytest.raises(ValueError, match="version"):
+            await receiver.prepare(_plan(sender, version, **_fs(cfg, 1)))
     assert engine.pauses == 0  # rejected before pausing anything
 
     assert (await receiver.prepare(_plan(sender, 1, **_fs(cfg, 1)))).ready
