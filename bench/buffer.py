@@ -173,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--redis-url", default="", help="benchmark this Redis (default: start an embedded one)")
     ap.add_argument("--compression", choices=["none", "zlib"], default="none", help="buffer.compression to measure")
     ap.add_argument("--repeats", type=int, default=0, help="timed repeats per size (default 3; median reported)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384], help="completion lengths to run")
     args = ap.parse_args(argv)
 
-    sizes = [1024, 4096, 16384]
+    sizes = args.tokens
     budget = 8 * 2**20 if args.quick else 192 * 2**20  # payload bytes per size and path
     repeats = args.repeats or (3 if args.quick else 5)
     cfg = BufferConfig(compression=args.compression, max_trajectory_groups=10**6, max_trajectory_bytes=2**40)

@@ -6,8 +6,9 @@
 Each line of the input is one figure written by :func:`bench.common.report`. When a figure name occurs
 more than once (a benchmark run twice), the last one wins. ``results.json`` is a list of figures
 (``name``, ``ratio``, ``spread``, ``spread_kind``, ``goal``, ``direction``, ``baseline``, ``repeats``,
-``met``, ``host``, ``time``, ``note``); ``results.md`` is the same as a markdown table, the one the
-README shows.
+``met``, ``host``, ``time``, ``note``); ``results.md`` is the same as a markdown table, and the same
+table replaces what stands between the README's two ``bench-results`` markers, so the README's table of
+figures is always this output (``--readme ''`` leaves the README alone).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+START, END = "<!-- bench-results: start (written by bench/report.py) -->", "<!-- bench-results: end -->"
 
 
 def load(path: Path) -> list[dict]:
@@ -57,11 +59,22 @@ def markdown(figures: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def into_readme(readme: Path, table: str) -> None:
+    """Replace the text between the README's markers with ``table``; the markers must be there, once each."""
+    text = readme.read_text()
+    if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
+        raise SystemExit(f"{readme}: expected the markers {START!r} and {END!r}, once each and in that order")
+    head, rest = text.split(START)
+    _, tail = rest.split(END)
+    readme.write_text(f"{head}{START}\n{table}{END}{tail}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("input", nargs="?", type=Path, default=None, help="JSON-lines file (default $TETHER_BENCH_RESULTS)")
     p.add_argument("--json", type=Path, default=HERE / "results.json")
     p.add_argument("--md", type=Path, default=HERE / "results.md")
+    p.add_argument("--readme", default=str(HERE.parent / "README.md"), help="README whose table to replace ('': none)")
     args = p.parse_args(argv)
     env = os.environ.get("TETHER_BENCH_RESULTS")
     source = args.input or (Path(env) if env else None)
@@ -72,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     args.json.write_text(json.dumps(figures, indent=1) + "\n")
     table = markdown(figures)
     args.md.write_text(table)
+    if args.readme:
+        into_readme(Path(args.readme), table)
     print(table, end="")
     missed = [f["name"] for f in figures if f["met"] is False]
     print(f"{len(figures)} figures -> {args.json}, {args.md}; below goal: {', '.join(missed) or 'none'}")

@@ -37,7 +37,10 @@ def test_report_appends_json_lines_and_report_py_writes_json_and_markdown(
     report(figure("buffer/1K_tokens", [0.85, 0.9, 0.8], goal=0.8, direction="min", baseline="raw XADD"))  # rerun
     assert "FIGURE buffer/1K_tokens: 0.550" in capsys.readouterr().out
     out_json, out_md = tmp_path / "results.json", tmp_path / "results.md"
-    assert bench_report.main([str(lines), "--json", str(out_json), "--md", str(out_md)]) == 0
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{bench_report.START}\nold table\n{bench_report.END}\nafter\n")
+    args = [str(lines), "--json", str(out_json), "--md", str(out_md), "--readme", str(readme)]
+    assert bench_report.main(args) == 0
     figures = json.loads(out_json.read_text())
     assert [f["name"] for f in figures] == ["load/rss", "buffer/1K_tokens"]  # the last run of a name wins
     keys = {"name", "ratio", "spread", "goal", "direction", "baseline", "repeats", "met"}
@@ -47,3 +50,7 @@ def test_report_appends_json_lines_and_report_py_writes_json_and_markdown(
     assert "| `buffer/1K_tokens` | 0.85 | 0.80–0.90 (min-max) | 3 | ≥ 0.8 | yes | raw XADD |" in md
     assert "| `load/rss` | 1.01 | 1.00–1.02 (min-max) | 3 | ≤ 1.1 | yes | RSS before (**--quick smoke run" in md
     assert figures[0]["quick"] is True and figures[1]["quick"] is False
+    assert readme.read_text() == f"# x\n{bench_report.START}\n{md}{bench_report.END}\nafter\n"  # the same table
+    readme.write_text("# no markers\n")
+    with pytest.raises(SystemExit, match="markers"):
+        bench_report.main(args)
