@@ -8,9 +8,11 @@ sequence of a micro-batch wastes most compute. Three layouts, each its own ``Tra
 
 * ``padded_fixed``: ``micro_batch_size_per_gpu`` sequences in dataset order, right-padded to the
   micro-batch's longest (verl with ``use_dynamic_bsz: false``, ``use_remove_padding: false``);
-* ``padded_dynamic``: micro-batches filled up to ``max_token_len_per_gpu`` real tokens, sequences of
-  like length binned together, still padded to each micro-batch's longest (verl's ``use_dynamic_bsz``
-  without remove-padding — the strongest padded setup a verl user has);
+* ``padded_dynamic``: sequences in order of length, each micro-batch as many as fit
+  ``max_token_len_per_gpu`` padded slots (rows x its longest), so like lengths share a micro-batch and
+  little is padded (``use_dynamic_bsz`` without remove-padding — stronger than verl's own, which pads
+  every row to the batch's longest; until 2026-11-26 tether's planner balanced tokens across these
+  micro-batches, which put a long sequence in each and made this layout slower than ``padded_fixed``);
 * ``packed``: the same token budget, sequences packed into one row attending within each sequence
   only (``use_remove_padding``; :mod:`learner.varlen_attention` on CPU).
 

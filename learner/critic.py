@@ -119,6 +119,7 @@ class Critic:
             dynamic=lc.use_dynamic_bsz,
             max_tokens=c.forward_max_token_len_per_gpu if forward_only else c.ppo_max_token_len_per_gpu,
             micro_batch_size=c.forward_micro_batch_size_per_gpu if forward_only else c.ppo_micro_batch_size_per_gpu,
+            padded=not lc.use_remove_padding,
         )
         return [[index[j] for j in mb] for mb in plan[self.rank]]
 

@@ -171,6 +171,20 @@ def _fit_bins(items: list[int], lengths: list[int], n_bins: int, budget: int) ->
     return [sorted(b) for b in bins]
 
 
+def _padded_bins(items: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Padded micro-batches: samples in order of length, each batch as many as fit ``budget`` padded
+    slots (rows x its longest row); a sample longer than the budget alone. Like lengths share a batch,
+    so little is padded; balancing loads (:func:`_fit_bins`) would put a long sample in every batch
+    and pad every short one to it."""
+    bins: list[list[int]] = []
+    for i in sorted(items, key=lambda i: (lengths[i], i)):
+        if bins and lengths[i] * (len(bins[-1]) + 1) <= budget:  # sorted: the newcomer is the longest
+            bins[-1].append(i)
+        else:
+            bins.append([i])
+    return bins
+
+
 def plan_micro_batches(
     lengths: list[int],
     *,
@@ -178,6 +192,7 @@ def plan_micro_batches(
     dynamic: bool,
     max_tokens: int,
     micro_batch_size: int,
+    padded: bool = False,
 ) -> list[list[list[int]]]:
     """``plan[rank][k]`` = sample indices of rank's k-th micro-batch; every rank has the same count.
 
@@ -186,7 +201,7 @@ def plan_micro_batches(
     """
     per_rank = balance_ranks(lengths, world_size)
     return plan_within_ranks(
-        per_rank, lengths, dynamic=dynamic, max_tokens=max_tokens, micro_batch_size=micro_batch_size
+        per_rank, lengths, dynamic=dynamic, max_tokens=max_tokens, micro_batch_size=micro_batch_size, padded=padded
     )
 
 
@@ -197,14 +212,22 @@ def plan_within_ranks(
     dynamic: bool,
     max_tokens: int,
     micro_batch_size: int,
+    padded: bool = False,
 ) -> list[list[list[int]]]:
     """Cut each rank's samples into micro-batches, the same number on every rank (padded with empties).
 
     dynamic: at most ``max_tokens`` tokens each (one over-long sample alone is allowed), as few
-    micro-batches as the busiest rank needs. Otherwise: ``micro_batch_size`` samples each.
+    micro-batches as the busiest rank needs; ``padded`` (no remove-padding): at most ``max_tokens``
+    padded slots each, like lengths together (:func:`_padded_bins`). Otherwise: ``micro_batch_size``
+    samples each.
     """
-    if not dynamic:
-        chunks = [[idx[k : k + micro_batch_size] for k in range(0, len(idx), micro_batch_size)] for idx in per_rank]
+    if not dynamic or padded:
+        chunks = [
+            _padded_bins(idx, lengths, max_tokens)
+            if dynamic
+            else [idx[k : k + micro_batch_size] for k in range(0, len(idx), micro_batch_size)]
+            for idx in per_rank
+        ]
         n = max((len(c) for c in chunks), default=0)
         return [c + [[] for _ in range(n - len(c))] for c in chunks]
     need = max((-(-sum(lengths[i] for i in idx) // max_tokens) for idx in per_rank), default=0)

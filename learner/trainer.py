@@ -185,6 +185,7 @@ class Trainer:
             dynamic=lc.use_dynamic_bsz,
             max_tokens=lc.max_token_len_per_gpu * self.layout.sp,
             micro_batch_size=lc.micro_batch_size_per_gpu,
+            padded=not lc.use_remove_padding,
         )
         return [[[index[j] for j in mb] for mb in rank] for rank in plan]
 
@@ -199,6 +200,7 @@ class Trainer:
             dynamic=lc.use_dynamic_bsz,
             max_tokens=(lc.log_prob_max_token_len_per_gpu or 2 * lc.max_token_len_per_gpu) * self.layout.sp,
             micro_batch_size=lc.log_prob_micro_batch_size_per_gpu or 2 * lc.micro_batch_size_per_gpu,
+            padded=not lc.use_remove_padding,
         )
         return plan[self.layout.dp_rank]
 

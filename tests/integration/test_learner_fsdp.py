@@ -133,10 +133,13 @@ def test_bad_input_is_skipped_and_weights_stay_finite(tiny_model_dir: Path, tmp_
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
-def test_padded_without_dynamic_batching_matches_packed(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_padded_matches_packed(tiny_model_dir: Path, tmp_path: Path, dynamic: bool) -> None:
+    """Padded micro-batches, fixed-size or by a budget of padded slots (like lengths together), train as
+    the packed rows do: the same losses step after step."""
     packed, _ = _spawn(1, tiny_model_dir, tmp_path / "a", "run")
     padded, _ = _spawn(
-        2, tiny_model_dir, tmp_path / "b", "run", learner={"use_remove_padding": False, "use_dynamic_bsz": False}
+        2, tiny_model_dir, tmp_path / "b", "run", learner={"use_remove_padding": False, "use_dynamic_bsz": dynamic}
     )
     for a, b in zip(packed, padded, strict=True):
         assert_close(b["loss/total"], a["loss/total"], atol=1e-5, rtol=1e-4)

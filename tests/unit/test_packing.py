@@ -128,6 +128,28 @@ def test_plan_covers_every_sample_once_with_equal_counts(world: int, dynamic: bo
         assert max(loads) - min(loads) <= max(lengths)
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_padded_dynamic_plan_bounds_padded_slots_and_pads_little(world: int) -> None:
+    """Without remove-padding the budget counts padded slots, and like lengths share a micro-batch: the
+    token-balanced bins of the packed layout would pad every short sample to a long one."""
+    rng = random.Random(world)
+    lengths = [int(16 * 64 ** rng.random()) for _ in range(41)]
+    budget = 1024
+    plan = plan_micro_batches(lengths, world_size=world, dynamic=True, max_tokens=budget, micro_batch_size=4,
+                              padded=True)  # fmt: skip
+    assert len(plan) == world and len({len(p) for p in plan}) == 1
+    assert sorted(i for rank in plan for mb in rank for i in mb) == list(range(len(lengths)))
+
+    def slots(p: list[list[list[int]]]) -> int:
+        return sum(len(mb) * max(lengths[i] for i in mb) for rank in p for mb in rank if mb)
+
+    for rank in plan:
+        for mb in rank:
+            assert len(mb) <= 1 or len(mb) * max(lengths[i] for i in mb) <= budget
+    balanced = plan_micro_batches(lengths, world_size=world, dynamic=True, max_tokens=budget, micro_batch_size=4)
+    assert slots(plan) < 0.8 * slots(balanced)
+
+
 def test_plan_of_nothing_and_of_fewer_samples_than_ranks() -> None:
     assert plan_micro_batches([], world_size=2, dynamic=True, max_tokens=10, micro_batch_size=2) == [[], []]
     plan = plan_micro_batches([5], world_size=2, dynamic=True, max_tokens=10, micro_batch_size=2)

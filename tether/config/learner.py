@@ -44,7 +44,8 @@ class LearnerConfig(Section):
     """Form micro-batches by token budget instead of a fixed count."""
 
     max_token_len_per_gpu: int = Field(default=8192, gt=0)
-    """Token budget of one micro-batch on one GPU with ``use_dynamic_bsz``."""
+    """Token budget of one micro-batch on one GPU with ``use_dynamic_bsz``; without ``use_remove_padding`` it
+    counts padded slots (rows x the longest row), and sequences of like length share a micro-batch."""
 
     ulysses_sequence_parallel_size: int = Field(default=1, gt=0)
     """Ulysses sequence parallelism: SP consecutive learner ranks share each packed row (a 1/SP slice of
