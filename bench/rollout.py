@@ -34,7 +34,9 @@ Prometheus endpoint) — counts, not times, so a gap can be told from batching o
 busy machine. Both engines live for the whole run (idle while the other side is timed); on a machine
 with few cores the server, its client process and the in-process worker share them, which is the
 load a rollout host sees. Timings are printed, never asserted. With no ``--model`` a tiny model is
-built in a temp folder.
+built in a temp folder: 128 wide × 2 layers, or ``--tiny WxL``. The gRPC path costs a fixed CPU time per
+request, so the smaller the model the larger its share: the default is the worst case a CPU can show, and
+a figure of another size carries it in its name (``rollout/grpc_vs_inprocess_64clients_256x4``).
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer requests and tokens (seconds, for tests)")
     p.add_argument("--repeats", type=int, default=0, help="timed repeats (default 3; 7 for gRPC)")
     p.add_argument("--model", default="", help="local HF model folder (default: a tiny model built now)")
+    p.add_argument(
+        "--tiny", default="128x2", help="hidden x layers of the tiny model built when no --model (figures of "
+        "another size than 128x2 carry it in their name)",
+    )  # fmt: skip
     p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
     p.add_argument("--max-tokens", type=int, default=0, help="tokens per request (default 16 quick / 64)")
     p.add_argument(
@@ -72,6 +78,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--address", help=argparse.SUPPRESS)
     p.add_argument("--metrics-url", help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def size_suffix(args: argparse.Namespace) -> str:
+    """``_<hidden>x<layers>`` for figures of a tiny model other than the default 128x2; nothing otherwise."""
+    return "" if args.model or args.tiny == "128x2" else f"_{args.tiny}"
 
 
 def overrides(model: str, engine: str, max_tokens: int) -> list[str]:
@@ -286,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     if not model:
         from tether.tiny_model import make_tiny_model
 
-        model = str(make_tiny_model(tmp / "tiny", hidden=128, layers=2, heads=4, seed=0))
+        hidden, layers = (int(x) for x in args.tiny.split("x"))
+        model = str(make_tiny_model(tmp / "tiny", hidden=hidden, layers=layers, heads=4, seed=0))
     print(f"engine={args.engine} model={model} max_tokens={max_tokens} quick={args.quick} repeats={repeats}")
     figures = []
     if args.engine == "transformers" and args.part in ("all", "generate"):
@@ -316,7 +328,7 @@ def engine_vs_generate(args: argparse.Namespace, model: str, repeats: int):  # t
     print(f"  engine {statistics.median(rates['engine']):9.1f} tok/s, model.generate "
           f"{statistics.median(rates['generate']):9.1f} tok/s (medians)", flush=True)  # fmt: skip
     return figure(
-        "rollout/engine_vs_generate",
+        f"rollout/engine_vs_generate{size_suffix(args)}",
         ratios,
         goal=1.0,
         direction="min",
@@ -367,7 +379,7 @@ def grpc_vs_inprocess(args: argparse.Namespace, model: str, repeats: int, tmp: P
     for c, n, rates in rows:
         ratios = [r / loc for r, loc in zip(rates["remote"], rates["local"], strict=True)]
         fig = figure(
-            f"rollout/grpc_vs_inprocess_{c}clients",
+            f"rollout/grpc_vs_inprocess_{c}clients{size_suffix(args)}",
             ratios,
             goal=0.95,
             direction="min",

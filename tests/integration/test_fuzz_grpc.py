@@ -44,7 +44,6 @@ ALLOWED = {
 FUZZ = settings(
     max_examples=50,
     deadline=None,
-    derandomize=False,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
