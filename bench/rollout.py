@@ -73,6 +73,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--batch", type=int, default=0, help="prompts of the engine vs generate batch (default 16 quick / 64)"
     )
+    p.add_argument(
+        "--requests-per-client", type=int, default=4, help="requests per client in a gRPC-vs-in-process run (min 32)"
+    )
     p.add_argument("--part", default="all", choices=["all", "generate", "grpc"], help="which comparison to run")
     p.add_argument("--worker", choices=["local", "remote", "versus"], help=argparse.SUPPRESS)
     p.add_argument("--address", help=argparse.SUPPRESS)
@@ -354,7 +357,7 @@ def grpc_vs_inprocess(args: argparse.Namespace, model: str, repeats: int, tmp: P
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         workers["remote"] = Worker(args, "remote", model, max_tokens, server.address, metrics_url)
         for c in CONCURRENCY:
-            n_requests = max(2 * c, 8) if args.quick else max(4 * c, 32)
+            n_requests = max(2 * c, 8) if args.quick else max(args.requests_per_client * c, 32)
             answers: dict[str, list[dict]] = {"local": [], "remote": []}
             for _ in range(repeats):
                 for side in ordered(["local", "remote"], turn):
