@@ -105,6 +105,26 @@ def test_put_many_is_one_round_trip_of_separate_idempotent_inserts(client: redis
     assert writer.put_many([]) == []
 
 
+def test_large_payloads_go_as_their_own_buffers_and_arrive_whole(client: redis.Redis) -> None:
+    """Payloads of 256 KiB and more are sent without being copied into the transaction's buffer: the
+    buffers still carry every byte in order, and the groups read back equal."""
+    from buffer.writer import _SEND_ALONE, _coalesce
+
+    big, small = b"x" * _SEND_ALONE, [b"a", b"bc"]
+    assert _coalesce([*small, big, *small, b"d"]) == [b"abc", big, b"abcd"]
+    assert _coalesce(small) == [b"abc"] and _coalesce([big]) == [big]
+    c = cfg()
+    writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
+    groups = [make_group(seed=i, tokens=40_000, version=3) for i in range(2)]  # ~2 MB payloads
+    ids = writer.put_many([groups[0], make_group(seed=5, version=3), groups[1]])
+    assert all(i is not None for i in ids)
+    got = {b.group.group_id: b.group for b in reader.read(3, current_version=3, max_staleness=1, block_ms=500)}
+    for g in groups:
+        for t, w in zip(got[g.group_id].trajectories, g.trajectories, strict=True):
+            np.testing.assert_array_equal(t.completion_token_ids, w.completion_token_ids)
+            np.testing.assert_array_equal(t.behavior_logprobs, w.behavior_logprobs)
+
+
 def test_put_many_refuses_a_malformed_group_before_inserting_any(client: redis.Redis) -> None:
     writer = TrajectoryWriter(client, KEYS, cfg())
     bad = make_group(seed=1)
