@@ -44,7 +44,7 @@ _EXEC = b"*1\r\n$4\r\nEXEC\r\n"
 
 
 def _resp(command: tuple) -> list[bytes]:
-    """One command in RESP, as pieces to join: the payload is referenced, not copied, until the single join.
+    """One command in RESP, as pieces to send: the payload is referenced, not copied (:func:`_coalesce`).
     (redis-py's packer costs more Python per put than the rest of the put together, and copies the payload
     once more.)"""
     out = [b"*%d\r\n" % len(command)]
