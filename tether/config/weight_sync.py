@@ -60,8 +60,8 @@ class WeightSyncConfig(Section):
     gathered tensor into its place in the receivers' bucket (no pack copy on the learner); smaller tensors
     are packed and sent in runs. 0: pack everything (one broadcast per bucket). 8 rather than 1: each
     broadcast has a fixed cost, and on loopback gloo a 1–6 MiB tensor sent alone cost more than packing it
-    (``bench/weight_sync.py``, 2 cores, 3 runs each: 1 receiver 0.83–0.91 of one raw broadcast at 8 against
-    0.72–0.78 at 1; 2 receivers 0.90–0.95 against 0.96–1.04)."""
+    (``bench/weight_sync.py``, 2 cores, 4 runs at 8 and 3 at 1: 1 receiver 0.81–0.91 of one raw broadcast at
+    8 against 0.72–0.78 at 1; 2 receivers 0.90–0.96 against 0.96–1.04)."""
 
     inflight: Literal["keep", "drain"] = "keep"
     """During an update, in-flight requests continue on the new weights (``keep``; tokens carry the
