@@ -185,6 +185,12 @@ def _padded_bins(items: list[int], lengths: list[int], budget: int) -> list[list
     return bins
 
 
+def _equal_counts(chunks: list[list[list[int]]]) -> list[list[list[int]]]:
+    """Each rank's micro-batches, empty ones appended so that every rank runs as many."""
+    n = max((len(c) for c in chunks), default=0)
+    return [c + [[] for _ in range(n - len(c))] for c in chunks]
+
+
 def plan_micro_batches(
     lengths: list[int],
     *,
@@ -221,15 +227,12 @@ def plan_within_ranks(
     padded slots each, like lengths together (:func:`_padded_bins`). Otherwise: ``micro_batch_size``
     samples each.
     """
-    if not dynamic or padded:
-        chunks = [
-            _padded_bins(idx, lengths, max_tokens)
-            if dynamic
-            else [idx[k : k + micro_batch_size] for k in range(0, len(idx), micro_batch_size)]
-            for idx in per_rank
-        ]
-        n = max((len(c) for c in chunks), default=0)
-        return [c + [[] for _ in range(n - len(c))] for c in chunks]
+    if not dynamic:
+        return _equal_counts(
+            [[idx[k : k + micro_batch_size] for k in range(0, len(idx), micro_batch_size)] for idx in per_rank]
+        )
+    if padded:
+        return _equal_counts([_padded_bins(idx, lengths, max_tokens) for idx in per_rank])
     need = max((-(-sum(lengths[i] for i in idx) // max_tokens) for idx in per_rank), default=0)
     n = max(need, 1 if any(per_rank) else 0)
     while True:
