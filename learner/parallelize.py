@@ -169,6 +169,7 @@ def parallelize(
     _freeze_unless(trainable, model)
     log.info(
         "model_sharded",
+        device=str(device),
         blocks=len(blocks),
         world=mesh.size(),
         params=sum(p.numel() for p in model.parameters()),
@@ -194,6 +195,7 @@ def _unsharded(model: torch.nn.Module, cfg: TetherConfig, device: torch.device, 
     log.info(
         "model_unsharded",
         reason="one rank, nothing offloaded",
+        device=str(device),
         compute_dtype=str(dtype).removeprefix("torch."),
         params=sum(p.numel() for p in model.parameters()),
         attn=model.config._attn_implementation,

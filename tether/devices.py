@@ -45,15 +45,19 @@ def count_gpus() -> int:
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
-def _uses_gpu(cfg: TetherConfig) -> tuple[bool, bool]:
+def _uses_gpu(cfg: TetherConfig, gpus: int) -> tuple[bool, bool]:
+    """Whether the learner and the engines will open a GPU. ``auto`` does wherever one is visible (the learner
+    and the transformers engine resolve it so themselves): left out of the plan, an ``auto`` engine would
+    see every GPU and open ``cuda:0``, the learner's."""
     engine = cfg.rollout.engine
-    engine_gpu = engine.type in ("vllm", "sglang") or getattr(engine, "device", "auto") == "cuda"
+    device = getattr(engine, "device", "auto")
+    engine_gpu = engine.type in ("vllm", "sglang") or device == "cuda" or (device == "auto" and gpus > 0)
     return cfg.learner.device != "cpu", engine_gpu
 
 
 def plan_devices(cfg: TetherConfig, gpus: int) -> DevicePlan:
     """The ``CUDA_VISIBLE_DEVICES`` of the learner and of each rollout server on a box with ``gpus`` GPUs."""
-    learner_gpu, engine_gpu = _uses_gpu(cfg)
+    learner_gpu, engine_gpu = _uses_gpu(cfg, gpus)
     nproc, servers = cfg.learner.nproc_per_node, cfg.rollout.num_servers
     if gpus == 0 or not (learner_gpu or engine_gpu):
         return DevicePlan(rollout_envs=[{} for _ in range(servers)])

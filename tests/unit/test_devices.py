@@ -51,6 +51,17 @@ def test_cpu_runs_are_left_alone() -> None:
     assert plan_devices(_cfg(), gpus=0).learner_env == {}  # no GPU visible: nothing to assign
 
 
+def test_an_auto_transformers_engine_gets_a_gpu_of_its_own_or_shares_one() -> None:
+    auto = {"engine": {"type": "transformers", "device": "auto"}}
+    plan = plan_devices(_cfg(rollout=auto, learner={"device": "auto"}), gpus=2)
+    # Left out of the plan it would see both GPUs and open cuda:0, the learner's.
+    assert plan.learner_env == {"CUDA_VISIBLE_DEVICES": "0"} and plan.rollout_envs == [{"CUDA_VISIBLE_DEVICES": "1"}]
+    assert plan_devices(_cfg(rollout=auto, learner={"device": "auto"}), gpus=1).shared
+    with pytest.raises(ConfigError, match="nccl"):
+        plan_devices(_cfg(rollout=auto, weight_sync={"transport": {"type": "nccl"}}), gpus=1)
+    assert plan_devices(_cfg(rollout=auto, learner={"device": "cpu"}), gpus=0).rollout_envs == [{}]
+
+
 def test_count_gpus_follows_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,3")
     assert count_gpus() == 2

@@ -49,8 +49,9 @@ def test_one_gpu_tests_pass_as_a_dry_run_on_the_cpu() -> None:
 
 @pytest.mark.slow
 def test_gpu_check_script_runs_end_to_end_and_fails_without_a_gpu(tmp_path: Path) -> None:
-    """The one command for a lent GPU machine, run here: the suite skips, the MFU bench refuses, the results
-    folder is written, and the exit status says the check did not pass."""
+    """The one command for a lent GPU machine, run here: the suite skips, the demo runs but on the CPU (no GPU
+    evidence, so not ok), the MFU bench refuses, the results folder is written within what a lent machine
+    sends back, and the exit status says the check did not pass."""
     venv_bin = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": f"{venv_bin}:{os.environ['PATH']}", "GPU_CHECK_WHEELS": str(tmp_path / "none")}
     env.pop("OUT", None)
@@ -62,6 +63,11 @@ def test_gpu_check_script_runs_end_to_end_and_fails_without_a_gpu(tmp_path: Path
     assert summary["gpu_tests_exit"] == 0 and summary["mfu_bench_exit"] == 2
     assert "gpu verdict: no CUDA device" in (results / "gpu-tests.log").read_text()
     assert (results / "gpu-junit.xml").exists()
+    demo = summary["demo"]
+    assert summary["demo_exit"] == 0 and demo["steps"] > 0 and not demo["ok"]
+    assert set(demo["devices"].values()) == {"cpu"}  # the learner's and the engine's own log lines say where
+    assert summary["rollout_bench_exit"] == 0
+    assert len(list(results.iterdir())) <= 8  # a lent machine sends back at most eight files
 
 
 def test_nccl_receive_buffers_go_to_the_gpu_whatever_the_receiver_was_built_with() -> None:
