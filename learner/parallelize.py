@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import sys
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -23,6 +24,7 @@ from tether.config import TetherConfig
 from tether.logs import get_logger
 
 log = get_logger(__name__)
+_MISSING = object()
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -115,8 +117,29 @@ def apply_liger(model: torch.nn.Module, device: torch.device) -> None:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
     except ImportError:
         raise RuntimeError("learner.use_liger: the liger-kernel package is missing (pip install -e .[gpu])") from None
-    # Only the element-wise kernels: the fused linear cross-entropy would hide the logits we need.
-    _apply_liger_kernel_to_instance(model=model, cross_entropy=False, fused_linear_cross_entropy=False)
+    # Liger patches the model family's modeling module too (its RMSNorm and MLP classes, its rotary function),
+    # so every model of that family built later in this process would get Triton kernels — a CPU one as well,
+    # where they cannot run (a reference or reward model on CPU; seen on an H200: the next CPU forward failed).
+    # Only this instance is meant: the modules are put back, which leaves out Liger's rotary kernel (a
+    # module-level function with no per-instance hook); the RMSNorm and SwiGLU modules stay patched.
+    saved = {name: dict(vars(mod)) for name, mod in list(sys.modules.items()) if name.startswith("transformers.")}
+    try:
+        # Only the element-wise kernels: the fused linear cross-entropy would hide the logits we need.
+        _apply_liger_kernel_to_instance(model=model, cross_entropy=False, fused_linear_cross_entropy=False)
+    finally:
+        _restore_modules(saved)
+
+
+def _restore_modules(saved: dict[str, dict]) -> None:
+    """Put back every global of these modules that was rebound (the modules' dicts as they were)."""
+    for name, before in saved.items():
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        now = vars(module)
+        for key, value in before.items():
+            if now.get(key, _MISSING) is not value:
+                setattr(module, key, value)
 
 
 def parallelize(

@@ -13,7 +13,10 @@ call attends to the cache as it is. Same arithmetic, no copy. Prefill (more than
 causal mask per token) goes to transformers' own ``sdpa`` unchanged.
 
 Registered with transformers' ``AttentionInterface`` under :data:`DECODE_SDPA`, with sdpa's mask
-builder, and used by the transformers engine when ``model.attn_implementation`` is ``sdpa``.
+builder, and used by the transformers engine when ``model.attn_implementation`` is ``sdpa`` **on the CPU
+only**. On CUDA (an H200, torch 2.11, the 128x2 tiny model in bf16, 64 rows) one such sdpa call took
+~9 ms, and a whole decode step 33 ms against 1.9 ms with transformers' own attention, so there the engine
+keeps transformers' sdpa (the KV copy is cheap at GPU bandwidth).
 """
 
 from __future__ import annotations

@@ -29,6 +29,13 @@ def test_liger_kernels_give_the_plain_logprobs(tiny_model_dir: Path) -> None:
         got, got_ent = forward_micro_batch(fused, mb, device=CUDA, with_entropy=True)
     assert_close(got, ref, atol=1e-4, rtol=1e-4)
     assert_close(got_ent, ref_ent, atol=1e-4, rtol=1e-4)
+    # Only that instance: a model of the same family built afterwards, on the CPU where Triton cannot run,
+    # is the plain one (Liger also rebinds the family's modeling module; apply_liger puts it back).
+    cpu = load_model(cfg, torch.device("cpu"))
+    assert not any("liger" in type(m).__module__ for m in cpu.modules())
+    with torch.no_grad():
+        cpu_lp, _ = forward_micro_batch(cpu, mb, device=torch.device("cpu"), with_entropy=True)
+    assert_close(cpu_lp, ref.cpu(), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn is not installed")
