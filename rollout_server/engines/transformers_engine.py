@@ -150,9 +150,13 @@ class TransformersEngine(Engine):
             "cuda" if want == "auto" and torch.cuda.is_available() else "cpu" if want == "auto" else want
         )
         dtype = mcfg.dtype if mcfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+        if device.type == "cuda":
+            # cuDNN's sdpa builds a plan per shape, and every decode step has a new KV length: on an H200 a
+            # step of the 128x2 tiny model took 33-78 ms with it, 2 ms without (flash / efficient kernels).
+            torch.backends.cuda.enable_cudnn_sdp(False)
         tokenizer = AutoTokenizer.from_pretrained(mcfg.path, trust_remote_code=mcfg.trust_remote_code)
         # On the CPU: sdpa minus its per-step copy of the KV cache for grouped-query attention
-        # (decode_attention.py). Not on CUDA, where that call ran 17x slower than the whole plain step.
+        # (decode_attention.py). On CUDA transformers' own sdpa, the one measured there (decode_attention.py).
         regroup = mcfg.attn_implementation == "sdpa" and device.type == "cpu"
         attn = decode_attention.register() if regroup else mcfg.attn_implementation
         model = AutoModelForCausalLM.from_pretrained(
