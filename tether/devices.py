@@ -70,9 +70,14 @@ def plan_devices(cfg: TetherConfig, gpus: int) -> DevicePlan:
         return DevicePlan(learner_env, rollout)
     if nproc == 1 and gpus >= 1:
         return _shared_plan(cfg, servers)
+    cpu_engine = (
+        " or keep the engines off the GPUs with rollout.engine.device: cpu,"
+        if engine_gpu and cfg.rollout.engine.type == "transformers"
+        else ""
+    )
     raise ConfigError(
         f"{gpus} GPU(s) for {nproc} learner rank(s) and {servers} rollout server(s) on GPUs: give each its own "
-        "GPU, or share one GPU with learner.nproc_per_node: 1 (see README, 'One GPU')"
+        f"GPU,{cpu_engine} or share one GPU with learner.nproc_per_node: 1 (see README, 'One GPU')"
     )
 
 

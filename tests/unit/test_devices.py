@@ -60,6 +60,8 @@ def test_an_auto_transformers_engine_gets_a_gpu_of_its_own_or_shares_one() -> No
     with pytest.raises(ConfigError, match="nccl"):
         plan_devices(_cfg(rollout=auto, weight_sync={"transport": {"type": "nccl"}}), gpus=1)
     assert plan_devices(_cfg(rollout=auto, learner={"device": "cpu"}), gpus=0).rollout_envs == [{}]
+    with pytest.raises(ConfigError, match=r"rollout\.engine\.device: cpu"):  # two ranks and the engine on 2 GPUs
+        plan_devices(_cfg(rollout=auto, learner={"nproc_per_node": 2}), gpus=2)
 
 
 def test_count_gpus_follows_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
