@@ -10,7 +10,9 @@ synthetic groups whose sequences are 3.5–4.5K tokens. Model FLOPs per trained 
 ``6·N + 6·L·d·S`` (dense matmuls forward and backward, plus causal attention's score and value products
 at the mean sequence length S; N counts the embedding once, as the model ties it to the LM head); MFU is
 that over the bf16 dense peak of the device (``learner.telemetry.peak_flops``). Steps after one warm-up
-step are timed with CUDA synchronised; the median step and the min–max across steps are printed.
+step are timed with CUDA synchronised; the median step and the min–max across steps are printed. Every
+timed step is paired with one that has cuDNN's sdpa kernel off (order alternating), and their ratio is printed
+too: cuDNN plans per shape, and each step's sequences are new lengths.
 """
 
 from __future__ import annotations
@@ -103,22 +105,34 @@ def main(argv: list[str] | None = None) -> int:
         def batch(seed: int):
             return make_groups(n_groups, group_size, vocab=shape["vocab_size"], seed=seed, completion_len=seq)
 
-        trainer.train_step(batch(10_000), version=0)  # warm-up: allocator growth, kernels' first calls
-        times, tokens = [], []
+        # Each timed step runs twice over, on batches of its own: with cuDNN's sdpa kernel allowed (torch's
+        # default, what the learner runs) and with it off, the order alternating. cuDNN plans per shape, and
+        # every step brings new sequence lengths: in the rollout engine that cost 30+ ms a decode step on an
+        # H200; whether the learner pays it too is what the second figure says.
+        for on in (True, False):  # warm-up: allocator growth, kernels' first calls, in both modes
+            torch.backends.cuda.enable_cudnn_sdp(on)
+            trainer.train_step(batch(10_000 + on), version=0)
+        by_mode: dict[bool, list[float]] = {True: [], False: []}  # cuDNN sdpa on / off
+        lengths = []
         for s in range(steps):
-            groups = batch(s)
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = trainer.train_step(groups, version=0)
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            tokens.append(out["learner/tokens"])
-        lengths = [t.prompt_token_ids.shape[0] + t.num_completion_tokens for g in groups for t in g.trajectories]
+            for on in (True, False) if s % 2 == 0 else (False, True):
+                torch.backends.cuda.enable_cudnn_sdp(on)
+                groups = batch(2 * s + on)
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = trainer.train_step(groups, version=0)
+                if cuda:
+                    torch.cuda.synchronize()
+                by_mode[on].append(out["learner/tokens"] / (time.perf_counter() - t0))
+                lengths += [
+                    t.prompt_token_ids.shape[0] + t.num_completion_tokens for g in groups for t in g.trajectories
+                ]
+        torch.backends.cuda.enable_cudnn_sdp(True)
         dist.destroy_process_group()
-    per_step_tps = [n / t for n, t in zip(tokens, times, strict=True)]
-    tps = statistics.median(per_step_tps)
+    per_step_tps = by_mode[True]
+    tps, tps_off = statistics.median(per_step_tps), statistics.median(by_mode[False])
+    off_vs_on = [off / on for off, on in zip(by_mode[False], per_step_tps, strict=True)]
     flops = model_flops_per_token(n_params, layers=shape["num_hidden_layers"], hidden=shape["hidden_size"],
                                   seq_len=statistics.mean(lengths))  # fmt: skip
     peak = peak_flops(device)
@@ -131,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_s_max": max(per_step_tps),
         "mfu": flops * tps / peak if peak else None,
         "steps": steps,
+        "tokens_per_s_cudnn_sdpa_off_median": tps_off,
+        "cudnn_sdpa_off_vs_on_median": statistics.median(off_vs_on),
+        "cudnn_sdpa_off_vs_on_min": min(off_vs_on),
+        "cudnn_sdpa_off_vs_on_max": max(off_vs_on),
     }
     print(f"model: {n_params / 1e6:.0f}M parameters, sequences {result['mean_seq_len']:.0f} tokens on average")
     print(f"tokens/s: median {tps:.0f} (min {min(per_step_tps):.0f}, max {max(per_step_tps):.0f}) over {steps} steps")
@@ -140,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{peak / 1e12:.0f} TFLOP/s bf16 — prime-rl publishes 11.1% (Qwen3-0.6B, 16K, one H100)")  # fmt: skip
     else:
         print("MFU: not reported (no bf16 peak known for this device)")
+    print(f"cuDNN sdpa off: {tps_off:.0f} tokens/s, {statistics.median(off_vs_on):.2f}x the default "
+          f"(min {min(off_vs_on):.2f}, max {max(off_vs_on):.2f}; pairs of steps, order alternating)")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

@@ -47,6 +47,8 @@ def test_mfu_bench_quick_runs_on_cpu_and_refuses_a_full_run_without_a_gpu(tmp_pa
 
     figures = json.loads(out.read_text())
     assert figures["tokens_per_s_median"] > 0 and figures["mfu"] is None  # no MFU claim on a CPU
+    lo, mid, hi = (figures[f"cudnn_sdpa_off_vs_on_{k}"] for k in ("min", "median", "max"))
+    assert 0 < lo <= mid <= hi  # each step paired with one without cuDNN's sdpa (a no-op on the CPU)
     import torch
 
     if not torch.cuda.is_available():
