@@ -47,11 +47,27 @@ def model_flops_per_token(n_params: int, *, layers: int, hidden: int, seq_len: f
     return 6.0 * n_params + 6.0 * layers * hidden * seq_len
 
 
+def profile_step(trainer, groups, *, cuda: bool) -> None:  # type: ignore[no-untyped-def]
+    """One more step (untimed) under the profiler: where the device time goes, for the next GPU session that
+    has to close the MFU gap from one call's output."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        trainer.train_step(groups, version=0)
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=70))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a small shape (runs on CPU; no MFU claim)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5, quick 2)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
+    p.add_argument("--profile", action="store_true", help="also profile one step (always on a GPU without --quick)")
     args = p.parse_args(argv)
 
     import torch
@@ -129,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                     t.prompt_token_ids.shape[0] + t.num_completion_tokens for g in groups for t in g.trajectories
                 ]
         torch.backends.cuda.enable_cudnn_sdp(True)
+        if args.profile or (cuda and not args.quick):
+            profile_step(trainer, batch(10_002), cuda=cuda)
         dist.destroy_process_group()
     per_step_tps = by_mode[True]
     tps, tps_off = statistics.median(per_step_tps), statistics.median(by_mode[False])
