@@ -38,8 +38,6 @@ log = get_logger(__name__)
 GAUGES = ("bytes",)
 """Counters-hash fields that describe the streams' present contents, not history: never restored."""
 
-_PAGE = 512
-
 
 @dataclass
 class LedgerSnapshot:
@@ -69,37 +67,40 @@ def read_counters(client: redis.Redis, keys: RedisKeys) -> dict[str, int]:
     return {_s(k): int(v) for k, v in client.hgetall(keys.counters).items()}
 
 
-def _stream_entries(client: redis.Redis, stream: str):
-    start = "-"
-    while True:
-        page = client.xrange(stream, min=start, max="+", count=_PAGE)
-        yield from page
-        if len(page) < _PAGE:
-            return
-        start = "(" + _s(page[-1][0])
+def _consistent_view(client: redis.Redis, keys: RedisKeys) -> tuple[dict[str, int], dict[str, int], list, list]:
+    """``(counters, staleness histogram, prompts-stream entries, trajectories-stream entries)`` read in one
+    MULTI/EXEC: a put (``produced`` and its entry) or a settle (its counter and the entry's removal) lands
+    wholly before or after it. Read one after the other, a group put in between was in the stream but not
+    in ``produced``, and a restore counted it lost: the run's books stopped balancing (seen once in this
+    project's CI, in the resume test). Both streams are bounded (``max_trajectory_groups``, the admission
+    bound) and hold headers only, so they are read whole."""
+    pipe = client.pipeline(transaction=True)
+    pipe.hgetall(keys.counters)
+    pipe.hgetall(keys.staleness)
+    pipe.xrange(keys.prompts, "-", "+")
+    pipe.xrange(keys.trajectories, "-", "+")
+    counters, staleness, prompts, trajectories = pipe.execute()
+    as_ints = {_s(k): int(v) for k, v in counters.items()}, {_s(k): int(v) for k, v in staleness.items()}
+    return *as_ints, prompts, trajectories
 
 
-def outstanding_indices(client: redis.Redis, keys: RedisKeys) -> tuple[list[int], int]:
-    """``(dataset indices of unsettled prompts, groups in the trajectories stream)``: prompts waiting in
+def outstanding_indices(client: redis.Redis, keys: RedisKeys, prompts: list, trajectories: list) -> list[int]:
+    """Dataset indices of unsettled prompts, from the entries of :func:`_consistent_view`: prompts waiting in
     the prompts stream (acknowledged ones are deleted) plus the prompts whose groups are in the
     trajectories stream (acknowledged or dropped ones are deleted). Groups of custom environments have
-    no dataset index and are only counted."""
+    no dataset index."""
     indices: list[int] = []
-    for _, fields in _stream_entries(client, keys.prompts):
+    for _, fields in prompts:
         prompt = Prompt()
         try:
             prompt.ParseFromString(fields.get(b"p", b""))
         except DecodeError:
             continue  # the reader dead-letters it; it will never be trained on
         indices.append(int(prompt.dataset_index))
-    in_stream = 0
-    heads = []
-    for eid, fields in _stream_entries(client, keys.trajectories):
-        in_stream += 1
-        heads.append((eid, read_header(fields), fields.get(F_DATA)))
-    payload_keys = [keys.payload(h.nonce) for _, h, inline in heads if h.nonce]
+    heads = [(read_header(fields), fields.get(F_DATA)) for _, fields in trajectories]
+    payload_keys = [keys.payload(h.nonce) for h, _ in heads if h.nonce]
     fetched = iter(client.mget(payload_keys) if payload_keys else ())
-    for _, head, inline in heads:
+    for head, inline in heads:
         payload = next(fetched) if head.nonce else inline
         if payload is None:
             continue
@@ -110,20 +111,19 @@ def outstanding_indices(client: redis.Redis, keys: RedisKeys) -> tuple[list[int]
         index = group.metadata.get("dataset_index")
         if group.prompt_id and index is not None and index.lstrip("-").isdigit():
             indices.append(int(index))
-    return sorted(set(indices)), in_stream
+    return sorted(set(indices))
 
 
 def take_snapshot(client: redis.Redis, keys: RedisKeys) -> LedgerSnapshot:
-    """The buffer's books as they stand (learner rank 0, at checkpoint time)."""
-    counters = {k: v for k, v in read_counters(client, keys).items() if k not in GAUGES}
-    staleness = {_s(k): int(v) for k, v in client.hgetall(keys.staleness).items()}
-    outstanding, in_stream = outstanding_indices(client, keys)
+    """The buffer's books as they stand (learner rank 0, at checkpoint time), counters and streams as of
+    one moment."""
+    counters, staleness, prompts, trajectories = _consistent_view(client, keys)
     return LedgerSnapshot(
-        counters=counters,
+        counters={k: v for k, v in counters.items() if k not in GAUGES},
         staleness=staleness,
         lifetimes=lifetimes(client, keys),
-        outstanding=outstanding,
-        in_stream=in_stream,
+        outstanding=outstanding_indices(client, keys, prompts, trajectories),
+        in_stream=len(trajectories),
     )
 
 
@@ -220,8 +220,11 @@ def books(counters: dict[str, int], *, in_stream: int) -> dict[str, int | bool]:
 
 def run_books(client: redis.Redis, keys: RedisKeys) -> dict:
     """The whole run's books plus each lifetime's figures (counters at its end minus at its start)."""
-    now = {k: v for k, v in read_counters(client, keys).items() if k not in GAUGES}
-    in_stream = int(client.xlen(keys.trajectories))
+    pipe = client.pipeline(transaction=True)  # counters and stream length as of one moment (see above)
+    pipe.hgetall(keys.counters)
+    pipe.xlen(keys.trajectories)
+    raw, in_stream = pipe.execute()
+    now = {_s(k): int(v) for k, v in raw.items() if _s(k) not in GAUGES}
     lives = lifetimes(client, keys)
     per_life = []
     for i, life in enumerate(lives):
