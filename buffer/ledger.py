@@ -63,8 +63,13 @@ def _s(raw: bytes | str) -> str:
     return raw.decode() if isinstance(raw, bytes) else raw
 
 
+def _ints(raw: dict) -> dict[str, int]:
+    """A Redis hash of counts as ``{str: int}``."""
+    return {_s(k): int(v) for k, v in raw.items()}
+
+
 def read_counters(client: redis.Redis, keys: RedisKeys) -> dict[str, int]:
-    return {_s(k): int(v) for k, v in client.hgetall(keys.counters).items()}
+    return _ints(client.hgetall(keys.counters))
 
 
 def _consistent_view(client: redis.Redis, keys: RedisKeys) -> tuple[dict[str, int], dict[str, int], list, list]:
@@ -80,8 +85,7 @@ def _consistent_view(client: redis.Redis, keys: RedisKeys) -> tuple[dict[str, in
     pipe.xrange(keys.prompts, "-", "+")
     pipe.xrange(keys.trajectories, "-", "+")
     counters, staleness, prompts, trajectories = pipe.execute()
-    as_ints = {_s(k): int(v) for k, v in counters.items()}, {_s(k): int(v) for k, v in staleness.items()}
-    return *as_ints, prompts, trajectories
+    return _ints(counters), _ints(staleness), prompts, trajectories
 
 
 def outstanding_indices(client: redis.Redis, keys: RedisKeys, prompts: list, trajectories: list) -> list[int]:
@@ -224,7 +228,7 @@ def run_books(client: redis.Redis, keys: RedisKeys) -> dict:
     pipe.hgetall(keys.counters)
     pipe.xlen(keys.trajectories)
     raw, in_stream = pipe.execute()
-    now = {_s(k): int(v) for k, v in raw.items() if _s(k) not in GAUGES}
+    now = {k: v for k, v in _ints(raw).items() if k not in GAUGES}
     lives = lifetimes(client, keys)
     per_life = []
     for i, life in enumerate(lives):
