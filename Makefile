@@ -25,6 +25,16 @@ $(VENV)/.vllm: $(VENV)/.base
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
+# The reference suite (tests/reference) calls verl's and TRL's own code. verl goes in with --no-deps: its
+# release pins transformers<5.11 and pulls ray and the rest of its trainer, while the suite imports only its
+# numerics modules; their few light imports and TRL are the `reference` extra. The verl pin lives in
+# tests/reference/requirements-verl.txt, which the suite also reads to check the installed version.
+VERL_PIN := tests/reference/requirements-verl.txt
+$(VENV)/.reference: $(VENV)/.vllm $(VERL_PIN)
+	$(PIP) install -q -e ".[dev,reference]"
+	$(PIP) install -q --no-deps -r $(VERL_PIN)
+	touch $@
+
 # TRL for bench/vs_trl.py (the side-by-side baseline); it leaves torch and transformers as they are.
 $(VENV)/.bench: $(VENV)/.base
 	$(PIP) install -q -e ".[dev,bench]"
@@ -39,7 +49,7 @@ install: $(VENV)/.base
 
 install-bench: $(VENV)/.bench
 
-install-test: $(VENV)/.vllm
+install-test: $(VENV)/.vllm $(VENV)/.reference
 
 # The demo's tiny model is made locally (no hub): 64 wide, 2 layers, head_dim 32.
 .cache/tiny-demo/config.json: | install

@@ -87,19 +87,22 @@ def masked_whiten(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def group_advantages(rewards: Tensor, group_ids: Tensor, *, norm_by_std: bool, eps: float = 1e-6) -> Tensor:
-    """GRPO advantages: reward minus its group's mean, optionally over the group's (unbiased) std.
+    """GRPO advantages: reward minus its group's mean, optionally over the group's (unbiased) std + ``eps``.
 
-    rewards: [S] float; group_ids: [S] long in ``0..G-1``. Returns [S]. A group of one sample has no
-    baseline and gets advantage 0 (it carries no relative signal). Dr.GRPO is ``norm_by_std=False``.
+    rewards: [S] float; group_ids: [S] long in ``0..G-1``. Returns [S] (float64). A group of one sample is
+    given mean 0 and std 1, as verl's ``compute_grpo_outcome_advantage`` does: its advantage is its raw
+    reward (over ``1 + eps``). Dr.GRPO is ``norm_by_std=False``; TRL's GRPOTrainer uses ``eps=1e-4``.
     """
     rewards = rewards.double()
     count, mean = _group_count_mean(rewards, group_ids)
-    adv = rewards - mean[group_ids]
+    single = count[group_ids] == 1
+    adv = rewards - torch.where(single, torch.zeros_like(rewards), mean[group_ids])
     if norm_by_std:
-        sq = torch.zeros_like(count).index_add_(0, group_ids, adv * adv)
-        std = (sq / (count - 1).clamp(min=1)).sqrt()
-        adv = adv / (std[group_ids] + eps)
-    return torch.where(count[group_ids] > 1, adv, torch.zeros_like(adv)).float()
+        centred = rewards - mean[group_ids]
+        sq = torch.zeros_like(count).index_add_(0, group_ids, centred * centred)
+        std = (sq / (count - 1).clamp(min=1)).sqrt()[group_ids]
+        adv = adv / (torch.where(single, torch.ones_like(std), std) + eps)
+    return adv
 
 
 def _group_count_mean(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -113,8 +116,8 @@ def _group_count_mean(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor
 
 
 def _outcome(batch: AdvantageBatch, adv: Tensor) -> tuple[Tensor, Tensor]:
-    """A per-sequence scalar spread over the sequence's tokens."""
-    out = adv.double()[:, None].expand_as(batch.mask).clone()
+    """A per-sequence scalar on each of the sequence's trained tokens (0 elsewhere, as verl)."""
+    out = adv.double()[:, None] * batch.mask
     return out, out
 
 
@@ -181,12 +184,16 @@ def gae(batch: AdvantageBatch, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
 
 
 def _discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """Return-to-go over the trained tokens (verl 0.9's rule): an untrained token (an environment span of
+    a multi-turn episode) neither adds a reward nor a discount step and gets return 0; the running return
+    is carried across it, so the first turn's tokens still see the episode's outcome reward."""
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]
+        m = mask[:, t]
+        step = rewards[:, t] + gamma * running
+        returns[:, t] = step * m
+        running = step * m + running * (1 - m)
     return returns
 
 
@@ -194,27 +201,34 @@ def _discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
 
 
 def padded(samples: list[Sample], name: str) -> Tensor:
-    """A completion-aligned field of every sample as ``[S, T]`` float64, zero-padded."""
+    """A completion-aligned field of every sample as ``[S, T]`` float64, zero-padded (and zero where a
+    sample has no such field, as a fully masked sample has no values)."""
     width = max((s.num_completion for s in samples), default=0)
     out = torch.zeros(len(samples), width, dtype=torch.float64)
     for k, s in enumerate(samples):
-        out[k, : s.num_completion] = torch.from_numpy(np.asarray(getattr(s, name), dtype=np.float64))
+        if (field := getattr(s, name)) is not None:
+            out[k, : s.num_completion] = torch.from_numpy(np.asarray(field, dtype=np.float64))
     return out
 
 
 def advantage_batch(samples: list[Sample], *, with_values: bool) -> AdvantageBatch:
-    """The padded view of ``samples``; the reward sits on each sample's last trained token."""
+    """The padded view of ``samples``; the reward sits on each sample's last trained token (on its last
+    token when it has none: a fully masked sample still counts in its group's baseline, as in verl)."""
     mask = padded(samples, "loss_mask")
     rewards = torch.zeros_like(mask)
     for k, s in enumerate(samples):
-        rewards[k, int(np.flatnonzero(s.loss_mask)[-1])] = s.reward
+        trained = np.flatnonzero(s.loss_mask)
+        rewards[k, int(trained[-1]) if trained.size else s.num_completion - 1] = s.reward
     _, group_ids = torch.unique(torch.tensor([s.group for s in samples]), return_inverse=True)
     values = padded(samples, "values") if with_values else None
     return AdvantageBatch(token_rewards=rewards, mask=mask, group_ids=group_ids, values=values)
 
 
 def assign_advantages(samples: list[Sample], cfg: AlgorithmConfig) -> None:
-    """Run ``cfg.adv_estimator`` over ``samples`` and store each sample's per-token advantages and returns."""
+    """Run ``cfg.adv_estimator`` over ``samples`` and store each sample's per-token advantages and returns.
+
+    The one place a step's advantages are computed. ``samples`` are all of the step's usable samples,
+    fully masked ones included (they are in their group's baseline, as in verl, but are not trained on)."""
     if not samples:
         return
     est = get_estimator(cfg.adv_estimator)

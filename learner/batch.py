@@ -2,13 +2,15 @@
 
 Bad input is skipped, counted and logged, never trained on: a trajectory that ended aborted (partial
 tokens, never scored), with a non-finite reward or behaviour log-prob, without prompt tokens (its first
-token has no logits), without completion tokens, or with an unreadable sampling temperature; a fully
-masked trajectory still counts in its group's baseline but has nothing to train on. Advantages are
-computed per group over the surviving rewards (GRPO / Dr.GRPO); a group left with one sample has no
-baseline (advantage 0) and is counted as ``single_sample_groups``; a group whose rewards are all equal
-has advantage 0 too and is counted as ``zero_std_groups`` (TRL's ``frac_reward_zero_std``; it rises as a
-run converges, or collapses onto one answer per prompt under a 0/1 reward). The trainer then runs the configured
-estimator over the samples (:func:`learner.advantages.assign_advantages`; for GRPO the same numbers).
+token has no logits), without completion tokens, or with an unreadable sampling temperature. A fully
+masked trajectory (no token to train on) is kept as a sample and counted as ``fully_masked``: as in verl, it
+counts in its group's baseline and in the sequence count of the seq-mean loss aggregations, and adds no
+token to the loss. Two
+counts say where a group carries no relative signal: ``single_sample_groups`` (a group left with one sample:
+verl's estimators give it its raw reward, see ``docs/ALGORITHMS.md``) and ``zero_std_groups`` (rewards all
+equal, advantage 0: TRL's ``frac_reward_zero_std``; it rises as a run converges, or collapses onto one
+answer per prompt under a 0/1 reward). The advantages themselves are computed in one place, by the
+configured estimator over the samples (:func:`learner.advantages.assign_advantages`).
 
 Each sample carries the temperature its tokens were sampled at (trajectory metadata
 :data:`~tether.trajectory.TEMPERATURE_KEY`, else ``default_temperature``, the config's
@@ -36,7 +38,6 @@ import torch.distributed as dist
 
 from buffer.policy import staleness_of
 from buffer.wire import decode_group_fast, encode_group_fast
-from learner.advantages import group_advantages
 from learner.packing import Sample
 from tether.logs import get_logger
 from tether.trajectory import (
@@ -50,8 +51,8 @@ from tether.v1.trajectory_pb2 import FINISH_REASON_ABORTED
 
 log = get_logger(__name__)
 
-# Counts ``build_samples`` returns that are not skipped trajectories: trained on, but with no signal.
-NOT_SKIPPED = ("single_sample_groups", "zero_std_groups")
+# Counts ``build_samples`` returns that are not skipped trajectories: in the step, but with no signal.
+NOT_SKIPPED = ("fully_masked", "single_sample_groups", "zero_std_groups")
 
 
 def zero_std_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> int:
@@ -80,13 +81,11 @@ def build_samples(
     groups: list[GroupData],
     *,
     current_version: int,
-    norm_by_std: bool,
     max_len: int | None = None,
     default_temperature: float = 1.0,
 ) -> tuple[list[Sample], Counter[str]]:
-    """Samples (one per usable trajectory) with advantages, and counts of what was skipped and why
-    (plus ``single_sample_groups``: groups left with one sample, and ``zero_std_groups``: groups whose
-    rewards are all equal — both with advantage 0)."""
+    """Samples (one per usable trajectory, fully masked ones included; no advantages yet) and counts of
+    what was skipped and why (plus ``fully_masked``, ``single_sample_groups`` and ``zero_std_groups``)."""
     skipped: Counter[str] = Counter()
     kept: list[tuple[int, object, float]] = []
     for gi, g in enumerate(groups):
@@ -117,23 +116,20 @@ def build_samples(
     rewards = torch.tensor([t.reward for _, t, _ in kept], dtype=torch.float64)
     gids = torch.tensor([gi for gi, _, _ in kept])
     _, dense, sizes = torch.unique(gids, return_inverse=True, return_counts=True)
-    adv = group_advantages(rewards, dense, norm_by_std=norm_by_std)
-    if int((sizes == 1).sum()):
-        skipped["single_sample_groups"] = int((sizes == 1).sum())
+    if n_single := int((sizes == 1).sum()):
+        skipped["single_sample_groups"] = n_single
     if n_flat := zero_std_groups(rewards, dense):
         skipped["zero_std_groups"] = n_flat
     samples = []
-    for (gi, t, temperature), a in zip(kept, adv.tolist(), strict=True):
+    for gi, t, temperature in kept:
         if not t.loss_mask.any():
             skipped["fully_masked"] += 1
-            continue
         samples.append(
             Sample(
                 input_ids=np.concatenate([t.prompt_token_ids, t.completion_token_ids]).astype(np.int64),
                 prompt_len=int(t.prompt_token_ids.shape[0]),
                 behavior_logprobs=np.asarray(t.behavior_logprobs, dtype=np.float32),
                 loss_mask=np.asarray(t.loss_mask, dtype=np.float32),
-                advantage=a,
                 reward=float(t.reward),
                 group=gi,
                 staleness=staleness_of(t.oldest_version, current_version),

@@ -177,6 +177,8 @@ class Critic:
                 global_tokens=g_tok,
                 global_seqs=float(len(mini)),
                 cliprange_value=self.cfg.critic.cliprange_value,
+                loss_agg_mode=self.cfg.critic.loss_agg_mode or self.cfg.algorithm.loss_agg_mode,
+                norm_len=float(self.cfg.rollout.max_tokens),
             )
             (loss * self.world).backward()  # FSDP averages over ranks; the loss is already a global share
             for k, v in m.items():

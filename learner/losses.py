@@ -198,18 +198,20 @@ def value_loss(
     global_seqs: float,
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
+    norm_len: float = 1.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The critic's clipped value loss (PPO's, as verl's ``compute_value_loss``).
 
     All [N]: ``vpreds`` the current critic's values (with grad); ``values`` the critic's values before
     the step; ``returns`` the targets. Per token ``max((v - R)^2, (clip(v, V - c, V + c) - R)^2)``,
-    aggregated, times 0.5. Returns the loss share and summable metrics (see the module docstring).
+    aggregated by ``loss_agg_mode`` (``norm_len``: its seq-mean-token-sum-norm constant), times 0.5.
+    Returns the loss share and summable metrics (see the module docstring).
     """
     mask = mask.to(vpreds.dtype)
     clipped = torch.maximum(torch.minimum(vpreds, values + cliprange_value), values - cliprange_value)
     loss1, loss2 = (vpreds - returns) ** 2, (clipped - returns) ** 2
     agg = dict(global_tokens=global_tokens, global_seqs=global_seqs)
-    loss = 0.5 * aggregate(torch.maximum(loss1, loss2), mask, seq_ids, mode=loss_agg_mode, **agg)
+    loss = 0.5 * aggregate(torch.maximum(loss1, loss2), mask, seq_ids, mode=loss_agg_mode, norm_len=norm_len, **agg)
     metrics = {
         "critic/vf_loss": loss.detach(),
         "critic/vf_clipfrac": aggregate((loss2 > loss1).float(), mask, seq_ids, mode="token-mean", **agg),

@@ -329,19 +329,20 @@ class Trainer:
         samples, skipped = build_samples(
             groups,
             current_version=version,
-            norm_by_std=a.norm_adv_by_std_in_grpo,
             max_len=self.cfg.model.max_model_len,
             default_temperature=self.cfg.rollout.temperature,
         )
         out = {f"learner/{k}" if k in NOT_SKIPPED else f"learner/skipped_{k}": float(v) for k, v in skipped.items()}
-        if not samples:
+        if not any(s.num_trained for s in samples):
             log.warning("empty_batch_skipped", groups=len(groups))
             out["learner/empty_batches"] = 1.0
             return out
-        minis = self._mini_batches(samples, len(groups))
+        # A fully masked sample stays in the step, as in verl: in its group's baseline and in the sequence
+        # count of the seq-mean aggregations, with no token in the loss.
         if self.critic is not None:
             self.critic.compute_values(samples)
         assign_advantages(samples, a)
+        minis = self._mini_batches(samples, len(groups))
         if self.critic is not None:
             out.update(self.critic.update(samples, minis))
         if self.critic is None or step >= self.cfg.critic.critic_warmup:

@@ -90,7 +90,7 @@ def learner_logprobs(model, prompt: list[int], completions: list[list[int]], beh
         )
         for i, (c, b) in enumerate(zip(completions, behaviour, strict=True))
     ])  # fmt: skip
-    samples, skipped = build_samples([group], current_version=0, norm_by_std=True)
+    samples, skipped = build_samples([group], current_version=0)
     assert len(samples) == len(completions), skipped
     index = list(range(len(samples)))
     mb = make_micro_batch(samples, index, packed=True)

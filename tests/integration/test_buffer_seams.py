@@ -122,6 +122,6 @@ def test_reader_and_learner_agree_on_staleness(redis_client: redis.Redis, seed: 
     got = reader.read(len(groups), current_version=current, max_staleness=100, block_ms=1000)
     assert [b.group.group_id for b in got] == [g.group_id for g in groups]
     for b in got:
-        samples, _ = build_samples([b.group], current_version=current, norm_by_std=False)
+        samples, _ = build_samples([b.group], current_version=current)
         assert max(s.staleness for s in samples) == b.staleness
     reader.ack([b.entry_id for b in got])

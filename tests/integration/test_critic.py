@@ -153,3 +153,27 @@ def test_tether_up_with_gae_raises_explained_variance(tmp_path: Path, tiny_model
     early, late = statistics.median(ev[:3]), statistics.median(ev[-4:])
     assert late > early + 0.1, ev
     assert all(set(CRITIC_KEYS) <= set(r) for r in rows)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_the_value_loss_aggregates_like_the_actor(tiny_model_dir: Path, mode: str) -> None:
+    """verl's ``critic.loss_agg_mode`` follows the actor's ``loss_agg_mode``: with one update over one
+    micro-batch the critic's first forward is the values' own, so ``vf_loss`` = 0.5 · agg((V - R)²) — per
+    token over all trained tokens, or per sequence first. The critic aggregated token-mean whatever was set."""
+    from learner.advantages import assign_advantages
+    from learner.batch import build_samples
+
+    cfg = TetherConfig.model_validate(
+        {**_cfg(tiny_model_dir).model_dump(), "algorithm": {"adv_estimator": "gae", "loss_agg_mode": mode}}
+    )
+    critic = build_critic(cfg, CPU)
+    samples, _ = build_samples(_groups(3), current_version=0)
+    critic.compute_values(samples)
+    assign_advantages(samples, cfg.algorithm)
+    out = critic.update(samples, [list(range(len(samples)))])
+    per_seq = [((s.values - s.returns).astype(float) ** 2, s.loss_mask.astype(float)) for s in samples]
+    if mode == "token-mean":
+        want = 0.5 * sum((e * m).sum() for e, m in per_seq) / sum(m.sum() for _, m in per_seq)
+    else:
+        want = 0.5 * statistics.fmean((e * m).sum() / m.sum() for e, m in per_seq)
+    assert out["critic/vf_loss"] == pytest.approx(want, rel=1e-5)

@@ -134,7 +134,7 @@ async def test_aborted_samples_are_not_scored_trained_or_uncounted(state, redis_
     assert sorted(scored) == sorted(t.id for t in finished)
     assert all(t.reward == 0.0 for t in aborted) and all(t.reward == 1.0 for t in finished)
     assert s.metrics.aborted_samples._value.get() == len(aborted)
-    samples, skipped = build_samples([buffered.group], current_version=0, norm_by_std=True)
+    samples, skipped = build_samples([buffered.group], current_version=0)
     assert skipped["aborted"] == len(aborted) and len(samples) == len(trajectories) - len(aborted) - skipped.get(
         "empty_completion", 0
     )
@@ -182,5 +182,5 @@ async def test_episodes_refuse_truncated_sampling_and_record_their_temperature(
     (got,) = TrajectoryReader(redis_client, s.sink.keys, s.cfg.buffer).read(1, current_version=0, max_staleness=0)
     (t,) = got.group.trajectories
     assert float(t.metadata[TEMPERATURE_KEY]) == pytest.approx(0.7) and t.logprob_source == "processed"
-    (sample,), _ = build_samples([got.group], current_version=0, norm_by_std=True)
+    (sample,), _ = build_samples([got.group], current_version=0)
     assert sample.temperature == pytest.approx(0.7)

@@ -129,7 +129,7 @@ def test_bad_input_is_skipped_and_weights_stay_finite(tiny_model_dir: Path, tmp_
     rows, weights = _spawn(2, tiny_model_dir, tmp_path, "run", poison=True)
     assert rows[1]["learner/skipped_nonfinite_reward"] == 1
     assert rows[1]["learner/skipped_nonfinite_logprob"] == 1
-    assert rows[1]["learner/skipped_fully_masked"] == 1
+    assert rows[1]["learner/fully_masked"] == 1
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 

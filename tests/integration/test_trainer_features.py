@@ -163,9 +163,14 @@ def test_recompute_logprobs_false_uses_behaviour_as_proximal(tiny_model_dir: Pat
         assert out["actor/iw_mean"] == pytest.approx(1.0, abs=1e-6)
 
 
-def test_dr_grpo_uses_its_aggregation_and_no_std_normalisation(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("masked", [False, True])
+def test_dr_grpo_uses_its_aggregation_and_no_std_normalisation(tiny_model_dir: Path, masked: bool) -> None:
+    """``masked``: one trajectory is all environment tokens. As in verl it stays in its group's baseline and
+    in the sequence count of the aggregation (verl's ``global_batch_size``), and adds no token to the loss."""
     groups, plain = _groups(tiny_model_dir)
-    cfg = _cfg(tiny_model_dir, algorithm={"adv_estimator": "dr_grpo", "loss_agg_mode": "token-mean"})
+    if masked:
+        groups[1].trajectories[2].loss_mask = np.zeros_like(groups[1].trajectories[2].loss_mask)
+    cfg = _cfg(tiny_model_dir, algorithm={"adv_estimator": "dr_grpo"})
     assert not cfg.algorithm.norm_adv_by_std_in_grpo
     out = _trainer(cfg).train_step(groups, version=0)
     # Ratio 1 on the first update, so the per-token loss is -A·w; Dr.GRPO: A = r - mean(r) (no std),
@@ -178,6 +183,7 @@ def test_dr_grpo_uses_its_aggregation_and_no_std_normalisation(tiny_model_dir: P
             total += float((-a * w * torch.from_numpy(t.loss_mask.astype(np.float64))).sum())
             n_seq += 1
     assert out["loss/pg"] == pytest.approx(total / (n_seq * cfg.rollout.max_tokens), rel=1e-4, abs=1e-7)
+    assert out.get("learner/fully_masked", 0) == masked
 
 
 @pytest.mark.parametrize(("level", "mode"), [("token", "truncate"), ("sequence", "mask"), ("sequence", "truncate"),

@@ -71,7 +71,7 @@ def test_learner_samples_and_reader_share_one_staleness(seed: int) -> None:
     rng = np.random.default_rng(seed)
     groups = [random_group(rng, k) for k in range(6)]
     current = int(rng.integers(0, 10))
-    samples, _ = build_samples(groups, current_version=current, norm_by_std=False)
+    samples, _ = build_samples(groups, current_version=current)
     assert len(samples) == sum(len(g.trajectories) for g in groups)
     by_group: dict[int, list[int]] = {}
     for s in samples:

@@ -1,4 +1,5 @@
-"""Groups to samples: advantages per group, bad trajectories skipped and counted, never trained on."""
+"""Groups to samples: bad trajectories skipped and counted, never trained on; fully masked ones kept for their
+group's baseline and then left out of training; the advantages come from the one estimator pass."""
 
 from __future__ import annotations
 
@@ -8,8 +9,16 @@ import numpy as np
 import torch
 from torch.testing import assert_close
 
+from learner.advantages import assign_advantages
 from learner.batch import build_samples
 from learner.synthetic import make_groups
+from tether.config import AlgorithmConfig
+
+
+def _with_advantages(groups, **algorithm):
+    samples, skipped = build_samples(groups, current_version=0)
+    assign_advantages(samples, AlgorithmConfig(**algorithm))
+    return samples, skipped
 
 
 def test_bad_trajectories_are_skipped_and_counted() -> None:
@@ -17,22 +26,31 @@ def test_bad_trajectories_are_skipped_and_counted() -> None:
     groups[0].trajectories[0].reward = math.inf
     groups[0].trajectories[1].behavior_logprobs = np.full(groups[0].trajectories[1].num_completion_tokens, np.nan)
     groups[1].trajectories[0].loss_mask = np.zeros_like(groups[1].trajectories[0].loss_mask)
-    samples, skipped = build_samples(groups, current_version=3, norm_by_std=True)
+    samples, skipped = build_samples(groups, current_version=3)
     assert skipped == {"nonfinite_reward": 1, "nonfinite_logprob": 1, "fully_masked": 1}
-    assert len(samples) == 5
-    assert all(s.staleness == 1 and math.isfinite(s.advantage) for s in samples)
-    # The fully masked trajectory still counts in its group's baseline: the other three do not sum to 0.
-    adv_g1 = [s.advantage for s in samples if s.group == 1]
-    rewards = groups[1].rewards()
+    assert len(samples) == 6 and sum(s.num_trained > 0 for s in samples) == 5
+    assert all(s.staleness == 1 for s in samples)
+
+
+def test_a_fully_masked_sample_counts_in_its_groups_baseline_and_has_no_advantage() -> None:
+    """verl scores every response of a group, whatever its loss mask: a fully masked one (all environment
+    tokens) still moves its group's mean and std. Before, the learner left it out of the trainer's baseline."""
+    groups = make_groups(2, 4, vocab=50, seed=0)
+    groups[1].trajectories[0].loss_mask = np.zeros_like(groups[1].trajectories[0].loss_mask)
+    samples, _ = _with_advantages(groups)
+    rewards = groups[1].rewards().astype(np.float64)
     want = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-6)
-    assert_close(torch.tensor(adv_g1), torch.tensor(want[1:], dtype=torch.float32))
+    got = [float(s.advantage[0]) for s in samples if s.group == 1]
+    assert_close(torch.tensor(got[1:]), torch.tensor(want[1:], dtype=torch.float32))
+    masked = next(s for s in samples if s.group == 1)
+    assert not masked.advantage.any()
 
 
 def test_an_all_bad_batch_gives_no_samples() -> None:
     groups = make_groups(1, 2, vocab=50, seed=1)
     for t in groups[0].trajectories:
         t.reward = math.nan
-    samples, skipped = build_samples(groups, current_version=0, norm_by_std=False)
+    samples, skipped = build_samples(groups, current_version=0)
     assert samples == [] and skipped == {"nonfinite_reward": 2}
 
 
@@ -41,19 +59,22 @@ def test_aborted_samples_are_not_trained_and_leave_the_baseline() -> None:
 
     groups = make_groups(1, 4, vocab=50, seed=2)
     groups[0].trajectories[1].finish_reason = FINISH_REASON_ABORTED
-    samples, skipped = build_samples(groups, current_version=0, norm_by_std=False)
+    samples, skipped = _with_advantages(groups, norm_adv_by_std_in_grpo=False)
     assert skipped == {"aborted": 1} and len(samples) == 3
     rewards = groups[0].rewards()[[0, 2, 3]]
-    assert_close(torch.tensor([s.advantage for s in samples]), torch.tensor(rewards - rewards.mean()).float())
+    assert_close(torch.tensor([s.advantage[0] for s in samples]), torch.tensor(rewards - rewards.mean()).float())
 
 
-def test_groups_left_with_one_sample_are_counted() -> None:
+def test_groups_left_with_one_sample_are_counted_and_keep_their_reward() -> None:
+    """verl's GRPO gives a group of one mean 0 and std 1: its advantage is the raw reward (over 1 + eps)."""
     groups = make_groups(3, 2, vocab=50, seed=3)
     groups[0].trajectories[0].reward = math.nan  # group 0 keeps one sample
     groups[2] = type(groups[2])("solo", groups[2].trajectories[:1])  # a group of one from the start
-    samples, skipped = build_samples(groups, current_version=0, norm_by_std=True)
+    samples, skipped = _with_advantages(groups)
     assert skipped == {"nonfinite_reward": 1, "single_sample_groups": 2}
-    assert [s.advantage for s in samples if s.group != 1] == [0.0, 0.0]
+    solo = [s for s in samples if s.group != 1]
+    want = torch.tensor([s.reward / (1 + 1e-6) for s in solo], dtype=torch.float32)
+    assert_close(torch.tensor([float(s.advantage[0]) for s in solo]), want)
 
 
 def test_groups_with_all_equal_rewards_are_counted_against_a_loop() -> None:
@@ -66,15 +87,15 @@ def test_groups_with_all_equal_rewards_are_counted_against_a_loop() -> None:
                 t.reward = 0.25
     groups[0].trajectories[0].reward = math.nan  # the survivors still agree (or not) among themselves
     groups[1] = type(groups[1])("solo", groups[1].trajectories[:1])  # one sample: counted apart
-    samples, skipped = build_samples(groups, current_version=0, norm_by_std=True)
+    samples, skipped = _with_advantages(groups)
     want = 0
     for g in groups:
         rewards = [t.reward for t in g.trajectories if math.isfinite(t.reward)]
         want += len(rewards) > 1 and max(rewards) == min(rewards)
     assert 0 < want < len(groups) - 1
     assert skipped["zero_std_groups"] == want and skipped["single_sample_groups"] == 1
-    flat = [g for g in {s.group for s in samples} if len({s.reward for s in samples if s.group == g}) == 1]
-    assert all(s.advantage == 0.0 for s in samples if s.group in flat)
+    flat = [g for g in {s.group for s in samples} if len({s.reward for s in samples if s.group == g}) == 1 and g != 1]
+    assert all(np.abs(s.advantage).max() < 1e-9 for s in samples if s.group in flat)
 
 
 def test_each_sample_carries_the_temperature_it_was_sampled_at() -> None:
@@ -90,7 +111,7 @@ def test_each_sample_carries_the_temperature_it_was_sampled_at() -> None:
     t[3].metadata, t[3].logprob_source = {TEMPERATURE_KEY: "0.7"}, "raw"  # raw log-probs are of T = 1
     t[4].metadata = {TEMPERATURE_KEY: "hot"}
     t[5].metadata = {TEMPERATURE_KEY: "-1"}
-    samples, skipped = build_samples(groups, current_version=0, norm_by_std=True, default_temperature=0.5)
+    samples, skipped = build_samples(groups, current_version=0, default_temperature=0.5)
     assert skipped == {"bad_temperature": 2}
     assert [s.temperature for s in samples] == [0.7, 0.5, 1.0, 1.0]
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from learner.advantages import group_advantages
 from learner.losses import aggregate, importance_weights, kl_penalty, policy_loss
 from tether.config import AlgorithmConfig
 
@@ -45,28 +44,6 @@ def _flat(seqs, key):
 
 def _seq_ids(seqs):
     return torch.tensor([k for k, s in enumerate(seqs) for _ in s["mask"]])
-
-
-# ---------- advantages
-
-
-@pytest.mark.parametrize("norm", [True, False])
-def test_group_advantages_match_loop(norm: bool) -> None:
-    rng = random.Random(1)
-    groups = [[rng.uniform(-1, 2) for _ in range(rng.randint(1, 6))] for _ in range(7)]
-    rewards = torch.tensor([r for g in groups for r in g])
-    gids = torch.tensor([k for k, g in enumerate(groups) for _ in g])
-    got = group_advantages(rewards, gids, norm_by_std=norm, eps=1e-6)
-    want = []
-    for g in groups:
-        mean = sum(g) / len(g)
-        std = math.sqrt(sum((r - mean) ** 2 for r in g) / (len(g) - 1)) if len(g) > 1 else 0.0
-        for r in g:
-            if len(g) == 1:
-                want.append(0.0)
-            else:
-                want.append((r - mean) / (std + 1e-6) if norm else r - mean)
-    assert_close(got, torch.tensor(want, dtype=torch.float32))
 
 
 # ---------- importance weights

@@ -11,6 +11,8 @@ from pydantic import Field, SerializeAsAny, field_validator, model_validator
 from tether.config.base import Section
 from tether.config.policy_loss import PolicyLossConfig, VanillaLoss, as_policy_loss_config
 
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
 
 class AlgorithmConfig(Section):
     max_staleness: int = Field(default=1, ge=0)
@@ -48,9 +50,7 @@ class AlgorithmConfig(Section):
     clip_ratio_c: float = Field(default=3.0, gt=1)
     """Dual-clip bound for negative advantages (verl's ``clip_ratio_c``)."""
 
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
-        "token-mean"
-    )
+    loss_agg_mode: LossAggMode = "token-mean"
     """How per-token losses are reduced to one number."""
 
     recompute_logprobs: bool = True
@@ -110,8 +110,19 @@ class AlgorithmConfig(Section):
 
     @model_validator(mode="after")
     def _dr_grpo(self) -> AlgorithmConfig:
-        if self.adv_estimator == "dr_grpo" and self.norm_adv_by_std_in_grpo:
-            # Dr.GRPO is defined without the std normalisation; make the config say what runs.
-            object.__setattr__(self, "norm_adv_by_std_in_grpo", False)
-            object.__setattr__(self, "loss_agg_mode", "seq-mean-token-sum-norm")
+        """Dr.GRPO is GRPO without the std and with ``seq-mean-token-sum-norm`` (verl's recipe sets both):
+        ``dr_grpo`` sets them, and refuses an explicit setting that says otherwise."""
+        if self.adv_estimator != "dr_grpo":
+            return self
+        given = self.model_fields_set
+        if "norm_adv_by_std_in_grpo" in given and self.norm_adv_by_std_in_grpo:
+            raise ValueError("adv_estimator: dr_grpo has no std normalisation — drop norm_adv_by_std_in_grpo: true, "
+                             "or use adv_estimator: grpo")  # fmt: skip
+        if "loss_agg_mode" in given and self.loss_agg_mode != "seq-mean-token-sum-norm":
+            raise ValueError(f"adv_estimator: dr_grpo aggregates the loss as seq-mean-token-sum-norm, not "
+                             f"{self.loss_agg_mode} — drop loss_agg_mode, or use adv_estimator: grpo with "
+                             "norm_adv_by_std_in_grpo: false for its advantages with another aggregation")  # fmt: skip
+        # Make the config say what runs (the resolved config.yaml shows both).
+        object.__setattr__(self, "norm_adv_by_std_in_grpo", False)
+        object.__setattr__(self, "loss_agg_mode", "seq-mean-token-sum-norm")
         return self

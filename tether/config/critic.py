@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from tether.config.algorithm import LossAggMode
 from tether.config.base import Section
 
 
@@ -41,6 +42,10 @@ class CriticConfig(Section):
 
     forward_max_token_len_per_gpu: int = Field(default=32768, gt=0)
     """Token budget of one forward-only value pass with ``learner.use_dynamic_bsz``."""
+
+    loss_agg_mode: LossAggMode | None = None
+    """How the value loss's per-token terms are reduced; empty: the actor's ``algorithm.loss_agg_mode`` (verl's
+    ``critic.loss_agg_mode``, which defaults to the actor's too)."""
 
     cliprange_value: float = Field(default=0.5, gt=0)
     """Values may move at most this far from the step's old values before the loss is clipped."""
