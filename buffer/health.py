@@ -11,6 +11,13 @@ failed check is the caller's "Redis unreachable".
 It warns only when *nothing* was trained in the window, so a healthy run with a few stale drops stays
 quiet, and repeats a warning at most every ``repeat_s``.
 
+A run that cannot train is ended rather than left warning forever: :class:`StallWatch`, asked by the
+learner's feed while it waits for groups, says so once no group the learner could train has come for
+``learner.stuck_timeout_s`` while at least a step's worth were wasted (dead-lettered or dropped as stale)
+and the waste goes on — with the most common reason and the setting to check. Its clock starts at the
+first wasted group, never at the run's start: a model loading, servers registering or a long step are
+not a stall, and neither is one burst of stale groups after a restart followed by slow fresh ones.
+
 The run's end is published here too (``run_end``): a learner that reached its last step says so, and
 rollout servers started by hand idle or exit instead of waiting for prompts that never come.
 """
@@ -18,7 +25,9 @@ rollout servers started by hand idle or exit instead of waiting for prompts that
 from __future__ import annotations
 
 import json
+import re
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import redis
@@ -56,8 +65,7 @@ class RunWatch:
     def check(self, client: redis.Redis, *, now: float | None = None) -> list[str]:
         """The warnings due now (each one line). Raises ``redis.RedisError`` when Redis cannot be read."""
         now = time.monotonic() if now is None else now
-        raw = client.hgetall(self.keys.counters)
-        counters = {(k.decode() if isinstance(k, bytes) else k): int(float(v)) for k, v in raw.items()}
+        counters = _counters(client, self.keys)
         cur = _Counts(now, counters.get("acknowledged", 0), counters.get("dropped_stale", 0),
                       sum(counters.get(k, 0) for k in _DEAD))  # fmt: skip
         out = []
@@ -101,42 +109,145 @@ class RunWatch:
         )
 
     def _dead(self, n: int, span_s: float, reason: str) -> str:
-        return f"{n} groups dead-lettered and none trained in the last {span_s:.0f}s — {_setting_for(self.cfg, reason)}"
+        return (
+            f"{n} groups dead-lettered and none trained in the last {span_s:.0f}s — {_setting_for(self.cfg, reason)}"
+            f"{self._ends()}"
+        )
 
     def _stale(self, n: int, span_s: float) -> str:
         return (
             f"{n} groups dropped as stale and none trained in the last {span_s:.0f}s: they were generated "
             f"with weights more than algorithm.max_staleness ({self.cfg.algorithm.max_staleness}) versions behind "
-            "the learner — check that weight updates reach the rollout servers (weight_sync.transport, their logs), "
-            "that episodes are not held open across updates, or raise algorithm.max_staleness"
+            f"the learner — {_STALE_ADVICE}{self._ends()}"
         )
+
+    def _ends(self) -> str:
+        stuck = self.cfg.learner.stuck_timeout_s
+        return f" (the learner ends the run if this goes on for learner.stuck_timeout_s, {stuck:g}s)" if stuck else ""
+
+
+class StallWatch:
+    """Whether a run cannot train; the learner's feed calls :meth:`usable` for every group it can train and
+    :meth:`check` every few seconds while it waits. Never raises but ``redis.RedisError``."""
+
+    def __init__(self, cfg: TetherConfig, *, timeout_s: float, min_groups: int) -> None:
+        self.cfg = cfg
+        self.keys = RedisKeys(cfg.run.run_id or "")
+        self.timeout_s, self.min_groups = timeout_s, max(1, min_groups)
+        self.usable()
+
+    def usable(self) -> None:
+        """A group the learner can train arrived: whatever was wasted before it does not count."""
+        self._base: _Waste | None = None
+        self._since: float | None = None  # the first check that saw a wasted group since the base
+        self._wasted, self._grew_at = 0, 0.0
+
+    def check(self, client: redis.Redis, *, now: float | None = None) -> str | None:
+        """The reason the run cannot train (one line, naming the setting to check), or None."""
+        if self.timeout_s <= 0:
+            return None
+        now = time.monotonic() if now is None else now
+        counters = _counters(client, self.keys)
+        dead, stale = sum(counters.get(k, 0) for k in _DEAD), counters.get("dropped_stale", 0)
+        if self._base is None:
+            last = client.xrevrange(self.keys.dead_letter, count=1)
+            self._base = _Waste(dead, stale, _text(last[0][0]) if last else "")
+            return None
+        wasted = dead - self._base.dead + stale - self._base.stale
+        if wasted <= 0:
+            return None
+        if self._since is None:
+            self._since = now
+        if wasted > self._wasted:
+            self._wasted, self._grew_at = wasted, now
+        going_on = now - self._grew_at <= self.timeout_s / 2
+        if now - self._since < self.timeout_s or wasted < self.min_groups or not going_on:
+            return None
+        return self._reason(client, dead - self._base.dead, stale - self._base.stale, span_s=now - self._since)
+
+    def _reason(self, client: redis.Redis, dead: int, stale: int, *, span_s: float) -> str:
+        lowest = f"({self._base.dead_letter_id}" if self._base and self._base.dead_letter_id else "-"
+        entries = client.xrevrange(self.keys.dead_letter, max="+", min=lowest, count=1000) if dead else []
+        reasons: Counter[str] = Counter()
+        example: dict[str, str] = {}
+        for _, fields in entries:
+            text = _GROUP_ID.sub("", _text(_field(fields, "reason")).strip(), count=1)
+            kind = re.sub(r"\d+", "N", text)  # "155 tokens" and "160 tokens" are one reason
+            reasons[kind] += 1
+            example.setdefault(kind, text)
+        top, seen = reasons.most_common(1)[0] if reasons else ("", len(entries) or 1)
+        top_dead = round(dead * seen / (len(entries) or 1))  # the stream keeps the last ~1000: a sample of them
+        head = (
+            f"the run cannot train: {dead + stale} groups wasted and none trained in the last {span_s:.0f}s "
+            f"({dead} dead-lettered, {stale} dropped as stale)"
+        )
+        tail = f" (learner.stuck_timeout_s: {self.timeout_s:g}s; 0 waits instead)"
+        if stale > top_dead:
+            return (
+                f"{head}; most common reason ({stale} of {dead + stale}): dropped as stale, generated with weights "
+                f"more than algorithm.max_staleness ({self.cfg.algorithm.max_staleness}) versions behind the learner "
+                f"— {_STALE_ADVICE}{tail}"
+            )
+        said = example.get(top, "")
+        shown = f"{said[:200]!r}" if said else "no reason recorded"
+        return f"{head}; most common reason ({top_dead} of {dead + stale}): {shown}; {_advice(self.cfg, said)}{tail}"
+
+
+@dataclass(frozen=True)
+class _Waste:
+    dead: int
+    stale: int
+    dead_letter_id: str  # the newest dead letter when counting began ("" when none)
+
+
+_GROUP_ID = re.compile(r"^\S*\d\S*: ")  # "prompt-1712345678901-0: " before a rollout server's reason
+_STALE_ADVICE = (
+    "check that weight updates reach the rollout servers (weight_sync.transport, their logs), that episodes "
+    "are not held open across updates, or raise algorithm.max_staleness"
+)
+
+
+def _counters(client: redis.Redis, keys: RedisKeys) -> dict[str, int]:
+    raw = client.hgetall(keys.counters)
+    return {_text(k): int(float(v)) for k, v in raw.items()}
+
+
+def _text(value: object) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _field(fields: dict, name: str) -> object:
+    return fields.get(name.encode(), fields.get(name, b""))
 
 
 def _last_reason(client: redis.Redis, keys: RedisKeys) -> str:
     entries = client.xrevrange(keys.dead_letter, count=1)
     if not entries:
         return ""
-    fields = {(k.decode() if isinstance(k, bytes) else k): v for k, v in entries[0][1].items()}
-    reason = fields.get("reason", b"")
-    return (reason.decode(errors="replace") if isinstance(reason, bytes) else str(reason)).strip()
+    return _text(_field(entries[0][1], "reason")).strip()
 
 
 def _setting_for(cfg: TetherConfig, reason: str) -> str:
     """The last reason, and the setting that usually causes it."""
     said = f"last reason: {reason[:200]!r}" if reason else "no reason recorded"
+    return f"{said}; {_advice(cfg, reason)}"
+
+
+def _advice(cfg: TetherConfig, reason: str) -> str:
+    """What to check for a dead letter's reason: the setting that usually causes it."""
     reward = cfg.rollout.reward
     if "reward" in reason:
         if reward.type == "remote":
             return (
-                f"{said}; the reward service at {reward.address} fails or is not running — start it, or fix "
+                f"the reward service at {reward.address} fails or is not running — start it, or fix "
                 "rollout.reward.address (and rollout.reward.token if it requires one)"
             )
-        return f"{said}; check rollout.reward ({reward.type}) and the dataset's reward fields"
-    if "bad prompt" in reason or "too long" in reason:
-        return f"{said}; check rollout.max_prompt_len and the dataset (learner.data_path)"
+        return f"check rollout.reward ({reward.type}) and the dataset's reward fields"
+    if "bad prompt" in reason or "too long" in reason or "longer than" in reason:
+        return "check rollout.max_prompt_len and the dataset (learner.data_path)"
     if "delivered" in reason:
-        return f"{said}; prompts are taken but never answered — rollout servers crash on them, see their logs"
-    return f"{said}; see `tether status` and the dead-letter stream {RedisKeys(cfg.run.run_id or '').dead_letter}"
+        return "prompts are taken but never answered — rollout servers crash on them, see their logs"
+    return f"see `tether status` and the dead-letter stream {RedisKeys(cfg.run.run_id or '').dead_letter}"
 
 
 def publish_run_end(client: redis.Redis, keys: RedisKeys, *, step: int, version: int) -> None:

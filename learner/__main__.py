@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(cfg, resume=args.resume)
     except DataError as e:  # a dataset that does not fit the config: its message, not a traceback
+        from tether.runs import give_up, run_paths
+
+        give_up(run_paths(cfg), str(e))  # a restart would fail the same way: `tether up` ends the run
         print(f"learner: {e}", file=sys.stderr)
         return 2
 

@@ -2,12 +2,12 @@
 
 Nothing is tokenized for rollout here: servers tokenize with the engine's tokenizer, so a ``Prompt``
 carries the text (chat messages already rendered by :mod:`learner.rows`) and a ``reward_context``; only a
-prompt truncated to ``learner.max_prompt_length`` carries its token ids. The source is an iterator whose
-``position`` is the index of the next row; the buffer's ``feed`` never pulls more than it issues, so
-``position`` is exactly the dataset position a checkpoint must keep. A dataset is repeated in epochs
-(row ``i`` is row ``i mod n``) and streamed from the position (:mod:`learner.datasets`), never loaded
-whole; rows filtered for length are stepped over, so the position stays a row index. A demo task is an
-endless stream.
+prompt truncated to the prompt limit (``learner.max_prompt_length``, by default ``rollout.max_prompt_len``)
+carries its token ids. The source is an iterator whose ``position`` is the index of the next row; the
+buffer's ``feed`` never pulls more than it issues, so ``position`` is exactly the dataset position a
+checkpoint must keep. A dataset is repeated in epochs (row ``i`` is row ``i mod n``) and streamed from the
+position (:mod:`learner.datasets`), never loaded whole; rows filtered for length are stepped over, so the
+position stays a row index. A demo task is an endless stream (its prompts are a few tokens: not checked).
 """
 
 from __future__ import annotations
@@ -55,20 +55,21 @@ class PromptSource(Iterator[Prompt]):
             cfg, self.format.sources(self.table), what=what, spec=spec, source_key=cfg.learner.data_source_key
         )
         self.kept, self.overlong = self.format.scan(self.table, spec)
+        limit, _, words = self.format.limit
         if self.kept is not None and not self.kept.any():
-            raise DataError(f"{what}: every prompt of {spec} is over learner.max_prompt_length "
-                             f"({cfg.learner.max_prompt_length}) and filtered out")  # fmt: skip
+            raise DataError(f"{what}: every prompt of {spec} is over the prompt limit of {limit} ({words}) and "
+                             "filtered out (learner.filter_overlong_prompts) — raise the limit")  # fmt: skip
         filtered = 0 if self.kept is None else int((~self.kept).sum())
         log.info("dataset_opened", path=spec, rows=self.table.num_rows, prompts_filtered=filtered,
-                 prompts_truncated=self.overlong - filtered, position=start)  # fmt: skip
+                 prompts_truncated=self.overlong - filtered, prompt_limit=limit, position=start)  # fmt: skip
         if filtered:
             log.warning("prompts_filtered", path=spec, filtered=filtered, kept=self.table.num_rows - filtered,
-                        max_prompt_length=cfg.learner.max_prompt_length)  # fmt: skip
+                        prompt_limit=limit, limit_set_by=words)  # fmt: skip
         self._stream = self._epochs(start)
 
     @property
     def filtered(self) -> int:
-        """Rows of the dataset never issued because their prompt is over ``max_prompt_length``."""
+        """Rows of the dataset never issued because their prompt is over the prompt limit."""
         return 0 if self.table is None or self.kept is None else int((~self.kept).sum())
 
     def _epochs(self, start: int) -> Iterator[tuple[int, dict[str, Any]]]:

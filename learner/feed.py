@@ -5,6 +5,10 @@ when Redis outlived the learner, the prompts issued after the checkpoint are sti
 stream (or already answered in the trajectories stream), so issuing them again would repeat data.
 When Redis did not keep the run, the checkpoint's books are put back first and the prompts that were
 outstanding at the checkpoint are reissued once (:mod:`buffer.ledger`).
+
+While it waits for groups it says why none come (:class:`buffer.health.RunWatch`), and gives up with
+:class:`CannotTrain` when every group of ``learner.stuck_timeout_s`` was wasted
+(:class:`buffer.health.StallWatch`): waiting longer cannot help, and restarting the learner would not either.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections.abc import Callable
 import redis
 
 from buffer import BufferedGroup, PromptQueue, RedisKeys, TrajectoryReader
-from buffer.health import RunWatch
+from buffer.health import RunWatch, StallWatch
 from buffer.ledger import LedgerSnapshot, begin_lifetime, restore
 from learner.data import PromptSource
 from tether.config import TetherConfig
@@ -27,6 +31,11 @@ log = get_logger(__name__)
 
 class DataTimeout(RuntimeError):
     """No trajectory group arrived within ``learner.read_timeout_s``."""
+
+
+class CannotTrain(DataTimeout):
+    """Every group of the last ``learner.stuck_timeout_s`` was dead-lettered or dropped: the message says the
+    most common reason and the setting to check."""
 
 
 class Feed:
@@ -55,6 +64,8 @@ class Feed:
         recovered = self.reader.recover()
         self.prompts_per_version = cfg.learner.train_batch_size * cfg.weight_sync.sync_every
         self.client, self.watch, self._watched_at = client, RunWatch(cfg), 0.0
+        lc = cfg.learner
+        self.stall = StallWatch(cfg, timeout_s=lc.stuck_timeout_s, min_groups=lc.train_batch_size)
         self._feed_lock = threading.Lock()
         self.redis_errors = 0  # Redis calls that failed even after the client's retries (logged each time)
         log.info(
@@ -131,6 +142,7 @@ class Feed:
             if new:
                 got.extend(new)
                 last_progress = time.monotonic()
+                self.stall.usable()
                 continue
             self._explain_wait()
             if timeout and time.monotonic() - last_progress > timeout:
@@ -142,7 +154,8 @@ class Feed:
 
     def _explain_wait(self) -> None:
         """While no group comes, say why (no server, all dead-lettered, all stale) — a learner started by
-        hand has no ``tether up`` console to do it. A check every 2 s; RunWatch rate-limits the words."""
+        hand has no ``tether up`` console to do it — and raise :class:`CannotTrain` once the run cannot train.
+        A check every 2 s; RunWatch rate-limits the words."""
         now = time.monotonic()
         if now - self._watched_at < 2.0:
             return
@@ -150,8 +163,11 @@ class Feed:
         try:
             for message in self.watch.check(self.client):
                 log.warning("not_training", cause=message)
+            stuck = self.stall.check(self.client, now=now)
         except redis.RedisError:
-            pass  # the read above reports Redis outages
+            return  # the read above reports Redis outages
+        if stuck is not None:
+            raise CannotTrain(stuck)
 
     def ack(self, batch: list[BufferedGroup]) -> None:
         """Acknowledge after the optimizer step; over a Redis outage, keep trying for read_timeout_s

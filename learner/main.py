@@ -18,6 +18,7 @@ are built in and the loop.
 from __future__ import annotations
 
 import gc
+import sys
 import time
 
 import torch
@@ -30,14 +31,14 @@ from learner.distributed import agree_version, init_distributed, seed_everything
 from learner.lifecycle import StopSignal
 from learner.parallelize import load_actor, load_model, parallelize
 from learner.publisher import Publisher
-from learner.rank_zero import FAILED, GO_ON, RankZero
+from learner.rank_zero import CANNOT_TRAIN, FAILED, GO_ON, RankZero
 from learner.telemetry import StepPerf, StepProfiler, nvtx
 from learner.trainer import Trainer
 from tether.config import TetherConfig
 from tether.logs import get_logger, setup_logging
 from tether.metrics import build_metrics
 from tether.plots import write_plot
-from tether.runs import RunPaths, run_paths
+from tether.runs import RunPaths, give_up, run_paths
 
 log = get_logger(__name__)
 
@@ -87,6 +88,7 @@ class Learner:
         self.paths = paths = run_paths(cfg)
         if rank == 0:
             paths.make()
+            paths.gave_up.unlink(missing_ok=True)  # an earlier lifetime's reason is not this one's
         seed_everything(cfg.run.seed)
         self.trainer = build_trainer(cfg, device)
         self.state = state = resume_state(paths, self.trainer, resume=resume)
@@ -112,14 +114,18 @@ class Learner:
             code = self.train()
             self.finish(code)
         finally:
-            self.close()
+            self.close()  # the books and the plot first, whatever the ending
+        if self.zero is not None and self.zero.cannot_train is not None:
+            give_up(self.paths, self.zero.cannot_train)  # `tether up` ends the run rather than restart
+            print(f"learner: error: {self.zero.cannot_train}", file=sys.stderr, flush=True)
         state = self.state
         log.info("learner_finished", step=state.step, version=state.version, code=code,
                  stopped_by=self.stop_signal.received)  # fmt: skip
         return code
 
     def train(self) -> int:
-        """Step until ``learner.total_steps`` or a stop; 0 when finished or asked to stop, 1 on a failure."""
+        """Step until ``learner.total_steps`` or a stop; 0 when finished or asked to stop, 1 on a failure,
+        :data:`CANNOT_TRAIN` (3) when the run cannot train (``learner.stuck_timeout_s``)."""
         lc, state, zero, publisher = self.cfg.learner, self.state, self.zero, self.publisher
         while state.step < lc.total_steps:
             t0 = time.perf_counter()
@@ -128,7 +134,7 @@ class Learner:
                 batch, stop = zero.next_batch(state.version, self.stop_signal, lambda: publisher.published)
             groups, stop = broadcast_groups([b.group for b in batch], device=self.device, stop=stop)
             if stop != GO_ON:
-                return 1 if stop == FAILED else 0
+                return {FAILED: 1, CANNOT_TRAIN: CANNOT_TRAIN}.get(stop, 0)
             t_data = time.perf_counter() - t0
             with self.profiler(state.step + 1), nvtx(f"step{state.step + 1}"):
                 out = self.trainer.train_step(groups, version=state.version, step=state.step)
@@ -174,8 +180,8 @@ class Learner:
         finished = code == 0 and state.step >= lc.total_steps
         if finished and zero is not None and zero.evaluator is not None:
             zero.evaluator.finish()
-        if code == 0 and self.saved_at != state.step and state.step > 0:
-            self.checkpoint()
+        if code in (0, CANNOT_TRAIN) and self.saved_at != state.step and state.step > 0:
+            self.checkpoint()  # between steps the state is whole: a resume after the fix loses no step
         if finished and lc.export_hf:
             export_hf(self.trainer.model, out_dir=self.paths.root / "final", source_dir=self.cfg.model.path)
         if finished and zero is not None:

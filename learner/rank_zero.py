@@ -3,8 +3,8 @@
 Rank 0 owns the data order (the prompt feed and the trajectory reader), acknowledges what a step trained
 on, records the version the servers hold, runs evaluation rounds, keeps the live status and the group
 trace, and writes the run's books at the end. The other ranks learn what they need from it by broadcast:
-the step's groups with one word (:data:`GO_ON`, :data:`FAILED`, :data:`STOP_ASKED`), the resumed version
-and the dataset position (:mod:`learner.distributed`).
+the step's groups with one word (:data:`GO_ON`, :data:`FAILED`, :data:`STOP_ASKED`, :data:`CANNOT_TRAIN`),
+the resumed version and the dataset position (:mod:`learner.distributed`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from buffer.health import clear_run_end, publish_run_end
 from buffer.keys import RedisKeys
 from buffer.ledger import LedgerSnapshot, take_snapshot, write_books
 from learner.checkpoint import TrainState, checkpoint_step, latest_checkpoint
-from learner.feed import DataTimeout, Feed
+from learner.feed import CannotTrain, DataTimeout, Feed
 from learner.group_trace import GroupTrace
 from learner.lifecycle import StopSignal, plan_resume_version, refuse_fresh_start
 from learner.telemetry import LiveStatus
@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-# Rank 0's word to every rank with each batch: train it, stop on a failure, or stop because asked to.
-GO_ON, FAILED, STOP_ASKED = 0, 1, 2
+# Rank 0's word to every rank with each batch: train it, stop on a failure, stop because asked to, or stop
+# because the run cannot train (every group wasted: the state is whole, so it is checkpointed as for a stop).
+GO_ON, FAILED, STOP_ASKED, CANNOT_TRAIN = 0, 1, 2, 3
 
 
 class RankZero:
@@ -76,6 +77,8 @@ class RankZero:
                                total_steps=lc.total_steps, start_step=state.step)  # fmt: skip
         self.trace = GroupTrace(paths.root / "groups.jsonl")
         self.evaluator: Evaluator | None = None  # with learner.val_data_path, once started
+        self.cannot_train: str | None = None
+        """Why the run cannot train (:class:`learner.feed.CannotTrain`), once the feed gave up."""
 
     # ----- versions
 
@@ -103,6 +106,9 @@ class RankZero:
             batch = self.feed.next_batch(
                 version, stop_requested=lambda: stop_signal.requested, admission_version=servers_version
             )
+        except CannotTrain as e:
+            log.error("cannot_train", reason=str(e))
+            self.cannot_train, stop = str(e), CANNOT_TRAIN
         except DataTimeout as e:
             log.error("data_timeout", error=str(e))
             stop = FAILED

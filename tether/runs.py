@@ -10,6 +10,8 @@ runs/<run_id>/
   checkpoints/         torch.distributed.checkpoint folders, step_<n>/
   snapshots/           safetensors weight snapshots for the filesystem transport
   redis/               the embedded Redis' working directory (its data, and ``url`` while it runs)
+  gave_up.txt          why a process gave up where a restart cannot help (a dataset that does not fit the
+                       config, a run that cannot train): ``tether up`` ends the run with it instead of restarting
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ class RunPaths:
         """The embedded Redis' URL while it runs (``tether status`` finds a run by its id through it)."""
         return self.redis / "url"
 
+    @property
+    def gave_up(self) -> Path:
+        """One line: why a process of the run gave up (see :func:`give_up`)."""
+        return self.root / "gave_up.txt"
+
     def log_file(self, process: str) -> Path:
         return self.logs / f"{process}.log"
 
@@ -72,6 +79,24 @@ class RunPaths:
         for d in (self.root, self.logs, self.plots, self.checkpoints):
             d.mkdir(parents=True, exist_ok=True)
         return self
+
+
+def give_up(paths: RunPaths, reason: str) -> None:
+    """Record that a process of the run stopped for ``reason`` and that starting it again cannot help (best
+    effort: the process exits non-zero either way)."""
+    try:
+        paths.root.mkdir(parents=True, exist_ok=True)
+        paths.gave_up.write_text(" ".join(reason.split()) + "\n")
+    except OSError:
+        pass
+
+
+def gave_up(paths: RunPaths) -> str | None:
+    """The reason :func:`give_up` recorded, or None."""
+    try:
+        return paths.gave_up.read_text().strip() or None
+    except OSError:
+        return None
 
 
 def new_run_id(prefix: str = "run") -> str:

@@ -5,7 +5,9 @@ stops children in order) with ``PR_SET_PDEATHSIG`` so the kernel ends it if the 
 abruptly. Output goes to one log file per child. Stopping is SIGTERM, a grace period, then SIGKILL to
 the child's whole process group (torchrun's ranks, vLLM's workers). A child marked ``restartable`` that
 dies is started again after a back-off (doubling), up to ``max_restarts`` times; only a child that keeps
-dying — or one not restartable — ends the group, with its name, code and log tail.
+dying — or one not restartable — ends the group, with its name, code and log tail. A child can also say
+that a restart cannot help (``gave_up``: a config its data does not fit, a run that cannot train): then it
+ends the group at once, with that reason.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class ChildSpec:
     # Started again (this command, or ``cmd`` when None) when it dies, up to the supervisor's restart limit.
     restart_cmd: Sequence[str] | None = None
     restartable: bool = False
+    # Asked when the child exits non-zero: the reason it gave up when it left one (a restart cannot help, so
+    # none is made), else None.
+    gave_up: Callable[[], str | None] | None = None
 
 
 @dataclass
@@ -57,8 +62,11 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 
 
 class ChildFailed(RuntimeError):
-    def __init__(self, name: str, code: int, log_file: Path, *, restarts: int = 0) -> None:
-        self.name, self.code, self.log_file, self.restarts = name, code, log_file, restarts
+    def __init__(self, name: str, code: int, log_file: Path, *, restarts: int = 0, reason: str | None = None) -> None:
+        self.name, self.code, self.log_file, self.restarts, self.reason = name, code, log_file, restarts, reason
+        if reason is not None:  # the child said why: that, not its log's tail
+            super().__init__(f"{name} exited with code {code}: {reason} (see {log_file})")
+            return
         again = (
             f" (after {restarts} restart{'s' * (restarts != 1)}: the restart limit, run.max_restarts)"
             if restarts
@@ -127,8 +135,10 @@ class Supervisor:
                 if code == 0 and child.spec.primary:
                     return 0
                 if code != 0:
-                    if not (child.spec.restartable and child.restarts < self.max_restarts):
-                        raise ChildFailed(child.spec.name, code, child.spec.log_file, restarts=child.restarts)
+                    reason = child.spec.gave_up() if child.spec.gave_up is not None else None
+                    if reason is not None or not (child.spec.restartable and child.restarts < self.max_restarts):
+                        raise ChildFailed(child.spec.name, code, child.spec.log_file, restarts=child.restarts,
+                                          reason=reason)  # fmt: skip
                     _signal_group(child.proc, signal.SIGKILL)  # what the dead leader left behind
                     delay = min(60.0, self.backoff_s * 2**child.restarts)
                     child.restart_at = time.monotonic() + delay

@@ -1,4 +1,5 @@
-"""Why a run trains nothing, said in one line: :class:`buffer.health.RunWatch` on a real Redis.
+"""Why a run trains nothing, said in one line: :class:`buffer.health.RunWatch` on a real Redis; and when it
+cannot train at all, :class:`buffer.health.StallWatch` ends it with the most common reason.
 
 The counters and streams are written the way the rollout servers and the learner write them; the watch's
 clock is passed in, so no test waits or measures time.
@@ -12,8 +13,8 @@ import pytest
 import redis
 
 from buffer import RedisKeys, ServerInfo, ServerRegistry
-from buffer.health import RunWatch, clear_run_end, publish_run_end, run_ended
-from learner.feed import DataTimeout, Feed
+from buffer.health import RunWatch, StallWatch, clear_run_end, publish_run_end, run_ended
+from learner.feed import CannotTrain, DataTimeout, Feed
 from tether.config import TetherConfig
 from tether.redis_server import connect_redis
 
@@ -132,3 +133,97 @@ def test_a_learner_started_by_hand_says_why_it_waits(redis_url: str, caplog: pyt
     client.close()
     said = [r.getMessage() for r in caplog.records if "not_training" in r.getMessage()]
     assert said and "no rollout server registered" in said[0]
+
+
+def _dead_letter(client: redis.Redis, reason: str, n: int = 1) -> None:
+    from buffer.dead_letter import dead_letter
+
+    for i in range(n):  # as rollout_server.worker writes them: the group id, then the reason
+        dead_letter(client, RedisKeys(RUN), source="rollout-0", reason=f"prompt-17123456{i}-0: {reason}", data=b"")
+
+
+TOO_LONG = "bad prompt: prompt: {} tokens is longer than the limit of 64 (rollout.max_prompt_len)"
+
+
+def test_a_run_whose_every_group_is_dead_lettered_cannot_train_and_says_the_most_common_reason(
+    redis_client: redis.Redis,
+) -> None:
+    cfg = _cfg()
+    stall = StallWatch(cfg, timeout_s=30, min_groups=8)
+    _dead_letter(redis_client, "reward failed: old", n=5)  # before the learner waited: not counted
+    assert stall.check(redis_client, now=0) is None
+    for t in range(2, 40, 2):  # the GSM8K case: every prompt too long for the servers, a few a second
+        _dead_letter(redis_client, TOO_LONG.format(150 + t), n=3)
+        verdict = stall.check(redis_client, now=t)
+        if t < 32:  # the clock started at the first wasted group (t=2), not at the first check
+            assert verdict is None, t
+    _dead_letter(redis_client, "reward failed: reward service 127.0.0.1:9: UNAVAILABLE", n=4)  # a few others
+    verdict = stall.check(redis_client, now=40)
+    assert verdict is not None and verdict.startswith("the run cannot train: 61 groups wasted and none trained")
+    assert "most common reason (57 of 61)" in verdict and "tokens is longer than the limit of 64" in verdict
+    assert "check rollout.max_prompt_len" in verdict and "learner.stuck_timeout_s" in verdict
+
+
+def test_stale_groups_only_end_a_run_while_they_keep_coming(redis_client: redis.Redis) -> None:
+    keys = RedisKeys(RUN)
+    stall = StallWatch(_cfg(), timeout_s=30, min_groups=4)
+    stall.check(redis_client, now=0)
+    redis_client.hincrby(keys.counters, "dropped_stale", 20)  # a restart's burst of old groups ...
+    assert stall.check(redis_client, now=2) is None
+    for t in range(4, 70, 2):  # ... then fresh groups take long (a big model): not a stall
+        assert stall.check(redis_client, now=t) is None, t
+    for t in range(70, 100, 2):  # weight updates that never reach the servers: stale groups keep coming
+        redis_client.hincrby(keys.counters, "dropped_stale", 1)
+        verdict = stall.check(redis_client, now=t)
+    assert verdict is not None and "dropped as stale" in verdict and "algorithm.max_staleness (2)" in verdict
+
+
+def test_a_slow_healthy_run_never_stalls(redis_client: redis.Redis) -> None:
+    """Groups that can be trained keep arriving (a slow step, a slow model), or too few were wasted to be
+    a pattern, or the check is off: never a verdict."""
+    keys = RedisKeys(RUN)
+    stall = StallWatch(_cfg(), timeout_s=30, min_groups=8)
+    stall.check(redis_client, now=0)
+    for t in range(0, 300, 10):  # a dead letter every 10 s, and a usable group every 20 s
+        _dead_letter(redis_client, TOO_LONG.format(100))
+        if t % 20 == 0:
+            stall.usable()
+        assert stall.check(redis_client, now=t) is None, t
+    slow = StallWatch(_cfg(), timeout_s=30, min_groups=8)
+    slow.check(redis_client, now=0)
+    for t in range(5, 300, 5):  # one bad prompt a minute while the others generate for minutes
+        if t % 60 == 0:
+            _dead_letter(redis_client, TOO_LONG.format(100))
+        assert slow.check(redis_client, now=t) is None, t
+    off = StallWatch(_cfg(), timeout_s=0, min_groups=1)
+    redis_client.hincrby(keys.counters, "dropped_stale", 100)
+    assert all(off.check(redis_client, now=t) is None for t in range(0, 300, 10))
+
+
+def test_a_learner_started_by_hand_ends_a_run_that_cannot_train(redis_url: str) -> None:
+    """The feed raises :class:`CannotTrain` with the reason once every group of ``stuck_timeout_s`` was wasted."""
+    import threading
+
+    cfg = TetherConfig.model_validate(
+        {"run": {"run_id": RUN}, "buffer": {"redis_url": redis_url},
+         "learner": {"data_path": "demo:charclass", "train_batch_size": 2, "stuck_timeout_s": 3}}
+    )  # fmt: skip
+    client = connect_redis(redis_url)
+    feed = Feed(cfg, client, data_position=0)
+    stop = threading.Event()
+
+    def server() -> None:  # every prompt refused as too long, as a rollout server dead-letters it
+        writer = connect_redis(redis_url)
+        while not stop.wait(0.2):
+            _dead_letter(writer, TOO_LONG.format(155))
+        writer.close()
+
+    thread = threading.Thread(target=server)
+    thread.start()
+    try:
+        with pytest.raises(CannotTrain, match=r"most common reason .* longer than the limit of 64.*max_prompt_len"):
+            feed.next_batch(0)
+    finally:
+        stop.set()
+        thread.join()
+        client.close()

@@ -108,3 +108,22 @@ def test_a_child_that_keeps_dying_ends_the_run_with_the_reason(tmp_path: Path) -
     assert info.value.name == "bad" and info.value.code == 7 and info.value.restarts == 2
     assert "run.max_restarts" in str(info.value)
     sup.stop_all()
+
+
+def test_a_child_that_gave_up_is_not_restarted_and_its_reason_ends_the_run(tmp_path: Path) -> None:
+    """The learner says a restart cannot help (a dataset that does not fit, a run that cannot train): the run
+    ends at once with its reason, not after ``max_restarts`` lives that fail the same way."""
+    reason = tmp_path / "gave_up.txt"
+    lives = tmp_path / "lives"
+    learner = [sys.executable, "-c", f"import pathlib, sys; l = pathlib.Path({str(lives)!r}); "
+               "l.write_text(l.read_text() + 'x' if l.exists() else 'x'); "
+               f"pathlib.Path({str(reason)!r}).write_text('the run cannot train: check rollout.max_prompt_len'); "
+               "sys.exit(1)"]  # fmt: skip
+    sup = Supervisor(grace_s=5, max_restarts=3, backoff_s=0.05)
+    sup.start(ChildSpec("learner", learner, tmp_path / "learner.log", primary=True, restartable=True,
+                        gave_up=lambda: reason.read_text() if reason.exists() else None))  # fmt: skip
+    with pytest.raises(ChildFailed) as info:
+        sup.wait()
+    assert info.value.reason == "the run cannot train: check rollout.max_prompt_len" and info.value.restarts == 0
+    assert "rollout.max_prompt_len" in str(info.value) and lives.read_text() == "x"
+    sup.stop_all()

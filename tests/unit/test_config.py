@@ -178,3 +178,32 @@ def test_cli_prints_resolved_config(tmp_path: Path) -> None:
     result = run_cli("config", "--learner.lr", "5e-6")
     assert result.returncode == 0, result.stderr
     assert yaml.safe_load(result.stdout)["learner"]["lr"] == pytest.approx(5e-6)
+
+
+def test_learner_max_prompt_length_follows_rollout_max_prompt_len_unless_set() -> None:
+    """One limit under verl's name and the servers': empty follows the servers'; given alone, the servers take it."""
+    cfg = load_config(None, ["--rollout.max_prompt_len", "64"])
+    assert cfg.learner.max_prompt_length is None and cfg.prompt_limit == (64, "rollout.max_prompt_len")
+    cfg = load_config(None, ["--learner.max_prompt_length", "2048"])
+    assert cfg.rollout.max_prompt_len == 2048 and cfg.prompt_limit == (2048, "learner.max_prompt_length")
+    # both given: the learner's may be lower (it truncates or filters to its tighter limit) ...
+    cfg = load_config(None, ["--learner.max_prompt_length", "32", "--rollout.max_prompt_len", "64"])
+    assert cfg.prompt_limit == (32, "learner.max_prompt_length") and cfg.rollout.max_prompt_len == 64
+    # ... and the resolved config (what every process of the run reads) keeps the one limit
+    again = TetherConfig.model_validate(yaml.safe_load(yaml.safe_dump(load_config(
+        None, ["--learner.max_prompt_length", "300"]).model_dump(mode="json"))))  # fmt: skip
+    assert (again.rollout.max_prompt_len, again.prompt_limit) == (300, (300, "learner.max_prompt_length"))
+
+
+def test_a_learner_prompt_limit_above_the_servers_is_refused_naming_both_keys() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--learner.max_prompt_length", "512", "--rollout.max_prompt_len", "64"])
+    message = str(e.value)
+    assert "learner.max_prompt_length (512)" in message and "rollout.max_prompt_len (64)" in message
+
+
+def test_stuck_timeout_defaults_on_and_zero_turns_it_off() -> None:
+    assert TetherConfig().learner.stuck_timeout_s == 60
+    assert load_config(None, ["--learner.stuck_timeout_s", "0"]).learner.stuck_timeout_s == 0
+    with pytest.raises(ConfigError, match=r"learner\.stuck_timeout_s"):
+        load_config(None, ["--learner.stuck_timeout_s", "-1"])

@@ -113,7 +113,7 @@ def test_overlong_prompts_fail_filter_or_truncate(tmp_path: Path, tiny_model_dir
     rows = [{"prompt": "x" * n, "data_source": "gsm8k", "answer": "1"} for n in (5, 50, 8, 60, 3)]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ValueError, match=r"row 1 of .* is 50 tokens, over learner.max_prompt_length \(10\)"):
+    with pytest.raises(ValueError, match=r"row 1 of .* is 50 tokens, over the prompt limit of 10 \(learner.max_pro"):
         PromptSource(_cfg(tiny_model_dir, data_path=str(path), max_prompt_length=10))
     src = PromptSource(_cfg(tiny_model_dir, data_path=str(path), max_prompt_length=10, filter_overlong_prompts=True))
     assert src.filtered == 2
@@ -129,6 +129,41 @@ def test_overlong_prompts_fail_filter_or_truncate(tmp_path: Path, tiny_model_dir
         p = list(itertools.islice(src, 2))[1]
         ids = tok(rows[1]["prompt"], add_special_tokens=False)["input_ids"]
         assert list(p.token_ids) == (ids[-10:] if side == "left" else ids[:10])
+
+
+def test_the_prompt_limit_follows_rollout_max_prompt_len_and_names_it(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """With ``learner.max_prompt_length`` empty the learner checks the servers' limit at start, so a dataset the
+    servers would refuse row by row fails before anything is issued, naming the row and the setting."""
+    rows = verl_rows()
+    rows[3]["prompt"] = [{"role": "user", "content": "y" * 150}]  # 169 tokens with the template; the rest < 90
+    path = write_verl_parquet(tmp_path / "train.parquet", rows)
+    rollout = {"reward": {"type": "data_source"}, "max_prompt_len": 120}
+    cfg = TetherConfig.model_validate({"model": {"path": str(tiny_model_dir)}, "learner": {"data_path": str(path)},
+                                       "rollout": rollout})  # fmt: skip
+    with pytest.raises(ValueError, match=r"row 3 of .* is 1\d\d tokens, over the prompt limit of 120 "
+                                         r"\(rollout.max_prompt_len; learner.max_prompt_length follows it\) — "
+                                         r"raise rollout.max_prompt_len"):  # fmt: skip
+        PromptSource(cfg)
+    filtering = cfg.learner.model_copy(update={"filter_overlong_prompts": True})
+    src = PromptSource(cfg.model_copy(update={"learner": filtering}))
+    assert src.filtered == 1  # counted, the rest issued as they are
+    assert [p.dataset_index for p in itertools.islice(src, 4)] == [0, 1, 2, 4]
+
+
+def test_the_prompt_limit_is_capped_by_the_model_context_as_servers_do(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Servers refuse prompts over ``min(rollout.max_prompt_len, max_model_len - 1)``: so does the learner."""
+    from learner.rows import RowFormat
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "x" * 40, "answer": "1", "data_source": "gsm8k"}) + "\n")
+    cfg = TetherConfig.model_validate({"model": {"path": str(tiny_model_dir), "max_model_len": 32},
+                                       "learner": {"data_path": str(path)}})  # fmt: skip
+    assert RowFormat(cfg, what="learner.data_path").max_len == 31
+    with pytest.raises(ValueError, match=r"is 40 tokens, over the prompt limit of 31 \(the model's context of 32 "
+                                         r"tokens \(model.max_model_len\) less one\)"):  # fmt: skip
+        PromptSource(cfg)
+    default = TetherConfig.model_validate({"model": {"path": str(tiny_model_dir)}, "learner": {"data_path": str(path)}})
+    assert RowFormat(default, what="learner.data_path").limit[:2] == (1024, "rollout.max_prompt_len")
 
 
 def test_chat_prompts_without_a_chat_template_fail_clearly(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -6,7 +6,10 @@ starts the embedded Redis when ``buffer.redis_url`` is empty, then the learner u
 they print goes to ``<name>.out``). It returns when the learner finishes. Ctrl-C, SIGTERM or a crashed
 child stop everything the same way (no orphan processes): the children get SIGTERM, so the learner
 finishes its step and checkpoints; then the books and the plot are written and the embedded Redis saves
-its data in the run folder, so ``tether up --resume`` continues where the run stopped. The console
+its data in the run folder, so ``tether up --resume`` continues where the run stopped. A learner that gave
+up where a restart cannot help (its dataset does not fit the config; the run cannot train,
+``learner.stuck_timeout_s``) is not restarted: the run ends at once, exit code 1, with a
+``tether: error:`` line saying why and the setting to check. The console
 (:mod:`tether.commands.console`) reports on a terminal or a pipe alike, says in one line what keeps a run from
 training (:class:`buffer.health.RunWatch`, plus a check of a remote reward service before the start),
 and every ending closes with a summary.
@@ -24,7 +27,7 @@ from tether.devices import count_gpus, plan_devices
 from tether.logs import get_logger, setup_logging
 from tether.plots import write_plot
 from tether.resources import thread_env
-from tether.runs import RunPaths, new_run_id, run_paths
+from tether.runs import RunPaths, gave_up, new_run_id, run_paths
 from tether.supervisor import ChildFailed, ChildSpec, Supervisor
 
 log = get_logger(__name__)
@@ -163,6 +166,7 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
     elif not resume:
         refuse_existing_run(run_paths(cfg), cfg.run.run_id)
     paths: RunPaths = run_paths(cfg).make()
+    paths.gave_up.unlink(missing_ok=True)  # a resumed run's earlier ending is not this lifetime's
     setup_logging(
         process="up", level=cfg.run.log_level, console_format=cfg.run.log_format, log_file=paths.log_file("up")
     )
@@ -186,7 +190,7 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
         # A learner that dies comes back from its last checkpoint; Redis (still up) keeps what it had not trained.
         again = learner_command(cfg, resume=True, redis_url=url if embedded else "")
         supervisor.start(ChildSpec("learner", learner, paths.console_file("learner"), env=env, primary=True,
-                                   restartable=True, restart_cmd=again))  # fmt: skip
+                                   restartable=True, restart_cmd=again, gave_up=lambda: gave_up(paths)))  # fmt: skip
         env = thread_env(cfg, "rollout")
         for i in range(cfg.rollout.num_servers):
             name = f"rollout-{i}"
@@ -206,9 +210,13 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
         outcome = "finished"
         return 0
     except ChildFailed as e:
-        log.error("child_failed", child=e.name, code=e.code, log=str(e.log_file))
-        print(f"tether: {e}", file=sys.stderr)
-        outcome = f"failed ({e.name} exited with code {e.code})"
+        log.error("child_failed", child=e.name, code=e.code, log=str(e.log_file), reason=e.reason)
+        if e.reason is not None:  # it said why, and a restart cannot help
+            print(f"tether: error: {e.reason}", file=sys.stderr, flush=True)
+            outcome = f"failed ({e.name} gave up, see the error above)"
+        else:
+            print(f"tether: {e}", file=sys.stderr)
+            outcome = f"failed ({e.name} exited with code {e.code})"
         return 1
     except KeyboardInterrupt:
         print("\ntether: interrupted — stopping all processes (the learner checkpoints first)", file=sys.stderr)

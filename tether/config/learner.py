@@ -136,12 +136,15 @@ class LearnerConfig(Section):
     and evaluation metrics are split by it."""
 
     max_prompt_length: int | None = Field(default=None, gt=0)
-    """Longest prompt in tokens (after the chat template); empty: no limit here (rollout servers still
-    refuse prompts over ``rollout.max_prompt_len``) (verl: ``data.max_prompt_length``)."""
+    """Longest prompt in tokens after the chat template (verl: ``data.max_prompt_length``); empty:
+    ``rollout.max_prompt_len``. It is one limit with the rollout servers': given here while
+    ``rollout.max_prompt_len`` is not, the servers take it too; given both, this one may be lower but not
+    higher. The learner checks every prompt of ``data_path`` and ``val_data_path`` against it once at start
+    (capped, as the servers cap it, at the model's context: ``model.max_model_len`` - 1)."""
 
     truncation: Literal["error", "left", "right"] = "error"
-    """A prompt over ``max_prompt_length``: ``error`` fails at start naming the row; ``left``/``right``
-    keep its last/first tokens (verl: ``data.truncation``)."""
+    """A prompt over the limit (``max_prompt_length``): ``error`` fails at start naming the row and the
+    setting; ``left``/``right`` keep its last/first tokens (verl: ``data.truncation``)."""
 
     filter_overlong_prompts: bool = False
     """Drop prompts over ``max_prompt_length`` instead (counted and shown at start) (verl name)."""
@@ -153,6 +156,15 @@ class LearnerConfig(Section):
 
     read_timeout_s: float = Field(default=0.0, ge=0)
     """Give up (exit with an error) when no trajectory group arrives for this long; 0: wait forever."""
+
+    stuck_timeout_s: float = Field(default=60.0, ge=0)
+    """End a run that cannot train: when, while the learner waits for a step's groups, none it can train
+    has come for this long and at least a step's worth (``train_batch_size``) were dead-lettered or dropped
+    as stale meanwhile (and still are), the learner exits non-zero with the most common reason and the
+    setting to check — prompts the servers refuse, a reward service that is not there, weights that never
+    reach the servers. The clock starts at the first such group, so loading models, servers registering
+    and slow steps never count; a minute leaves room for a long generation's in-flight groups that go
+    stale after a weight update. 0: never; the run keeps warning and waiting."""
 
     val_data_path: str = ""
     """Held-out prompts for evaluation during training: a file or folder as for ``data_path`` (same columns)

@@ -152,7 +152,10 @@ class RolloutConfig(Section):
     """Most completion tokens per sample (per turn for episodes)."""
 
     max_prompt_len: int = Field(default=1024, gt=0)
-    """Longest prompt in tokens; longer requests are rejected with INVALID_ARGUMENT."""
+    """Longest prompt in tokens (at most the model's context - 1): longer requests are rejected with
+    INVALID_ARGUMENT, longer prompts of the prompts stream dead-lettered. Not given: ``learner.max_prompt_length``
+    when that is set (one limit, verl's ``data.max_prompt_length``), else 1024. The learner checks the
+    dataset against the same limit at start."""
 
     max_n: int = Field(default=64, gt=0)
     """Largest ``n`` one Generate request may ask for."""
