@@ -1,9 +1,11 @@
 """The learner-facing ``tether.v1.Control`` servicer: pause / resume and the weight-update stages.
 
 Pause and resume act on the engine directly. The three weight-update stages belong to
-``weight_sync.receiver.WeightReceiver`` (docs/ARCHITECTURE.md); it is imported lazily, on the first
-update, so a server runs (and Generate works) without the weight_sync package, and an update against
-such a server fails with UNIMPLEMENTED and a message rather than at start-up.
+``weight_sync.receiver.WeightReceiver`` (docs/ARCHITECTURE.md), wired here to the engine: the engine is
+what it loads into (its ``load_weights``), by the delivery the engine picks (``weight_delivery``: in this
+process, or inside vLLM's workers). It is imported lazily, on the first update, so a server runs (and
+Generate works) without the weight_sync package, and an update against such a server fails with
+UNIMPLEMENTED and a message rather than at start-up.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ def load_receiver(state: ServerState) -> Any:
             grpc.StatusCode.UNIMPLEMENTED,
         ) from None
     try:
-        return WeightReceiver(state.engine, state.cfg)
-    except NotImplementedError as e:  # an engine type weight sync cannot load into (weight_sync.targets)
+        return WeightReceiver(state.engine, state.cfg, delivery=state.engine.weight_delivery(state.cfg))
+    except NotImplementedError as e:  # an engine that refuses weight updates outright
         raise BadRequest(f"weight updates are unavailable on this server: {e}", grpc.StatusCode.UNIMPLEMENTED) from None
 
 

@@ -1,12 +1,15 @@
-"""Loading a received update without copying it: the parameters become views into the receive buffers.
+"""Loading named tensors into a ``torch.nn.Module`` without copying: parameters become views into the buffers.
 
-A copying load (``targets.load_into_module``) moves every byte once more at commit, on the receiver's
-cores, after the transfer — on a CPU box that copy cost as much as a third of the wire time. Here each
-parameter's storage is swapped instead (``param.data = view``), which takes microseconds whatever the
-size. All-or-nothing still holds: every name and shape is checked before the first parameter changes,
-and the swap happens at commit, after the whole update arrived. The buffers must then never be
-received into again while the model uses them, which ``CollectiveReceive`` guarantees with a second set
-(:meth:`~weight_sync.collective.CollectiveReceive.adopted`).
+A helper for engines that hold a live module (the transformers engine, the standalone receiver's model):
+they call :func:`load_into_module` from their ``load_weights``; weight sync itself never does.
+
+A copying load moves every byte once more at commit, on the receiver's cores, after the transfer — on a
+CPU box that copy cost as much as a third of the wire time. Adoption swaps each parameter's storage
+instead (``param.data = view``), which takes microseconds whatever the size. All-or-nothing still holds:
+every name and shape is checked before the first parameter changes, and the swap happens at commit,
+after the whole update arrived. The buffers must then never be received into again while the model
+uses them: the loader answers ``LoadResult(kept=True)`` and ``CollectiveReceive`` switches to its second
+set (:meth:`~weight_sync.collective.CollectiveReceive.adopted`).
 
 A tensor whose dtype or device differs from its parameter's (bf16 weights from a float32 learner,
 gloo's CPU buffers for a GPU model) is copied (cast) into the parameter as before; tied parameters (one
@@ -15,13 +18,11 @@ Parameter under two names) stay tied because the Parameter object is kept and on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from weight_sync.buckets import checksum
-
-LoadResult = tuple[int, dict[str, float]]  # bytes loaded, checksum per tensor (empty unless asked)
+from weight_sync.loading import LoadResult
 
 
 def module_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -45,24 +46,38 @@ def matching(tensors: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) 
 
 
 @torch.no_grad()
-def adopt_into_module(
-    model: torch.nn.Module, named: Sequence[tuple[str, torch.Tensor]], *, sums: bool
-) -> tuple[LoadResult, int]:
+def adopt_into_module(model: torch.nn.Module, named: Sequence[tuple[str, torch.Tensor]]) -> int:
     """Point each named parameter at its received tensor (or copy where dtype/device differ).
 
-    Returns ``((bytes, checksums), adopted)``, ``adopted`` counting the parameters that now share the
-    received buffers' memory. Raises before changing anything when a name or shape does not match.
+    Returns how many parameters now share the received buffers' memory. Raises before changing anything
+    when a name or shape does not match.
     """
     tensors = module_tensors(model)
     pairs = [(name, matching(tensors, name, tensor), tensor) for name, tensor in named]
-    nbytes, checksums, adopted = 0, {}, 0
-    for name, target, tensor in pairs:
+    adopted = 0
+    for _, target, tensor in pairs:
         if isinstance(target, torch.nn.Parameter) and target.dtype == tensor.dtype and target.device == tensor.device:
             target.data = tensor
             adopted += 1
         else:
             target.copy_(tensor)
-        nbytes += tensor.numel() * tensor.element_size()
-        if sums:
-            checksums[name] = checksum(target)
-    return (nbytes, checksums), adopted
+    return adopted
+
+
+@torch.no_grad()
+def copy_into_module(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy each ``(name, tensor)`` into the parameter or buffer of that name, in place, as it arrives
+    (a snapshot streams shard by shard; nothing holds the whole update)."""
+    tensors = module_tensors(model)
+    for name, tensor in named:
+        matching(tensors, name, tensor).copy_(tensor)
+
+
+def load_into_module(
+    model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], *, adoptable: bool
+) -> LoadResult:
+    """An engine's ``load_weights`` for a live module: adopt received buffers, copy anything transient."""
+    if not adoptable:
+        copy_into_module(model, named)
+        return LoadResult()
+    return LoadResult(kept=adopt_into_module(model, list(named)) > 0)

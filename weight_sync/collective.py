@@ -128,8 +128,8 @@ class CollectiveReceive:
     buffers too: they are allocated once per layout (bucket sizes and device) and received into again
     by later updates with that layout, because fresh ones page-fault on every first touch while the
     bytes arrive. There are up to two sets: a loader may *adopt* one (the model's parameters become
-    views into it, no copy at commit; :func:`weight_sync.adopt.adopt_into_module`) and says so with
-    :meth:`adopted`; the next update then receives into the other set, never into live weights. So a
+    views into it, no copy at commit; :func:`weight_sync.adopt.adopt_into_module`) and its delivery says
+    so with :meth:`adopted`; the next update then receives into the other set, never into live weights. So a
     receiver holds two sets' worth of memory, of which the live one *is* the model's weights: about what
     a copying loader holds (the model plus one set). Updates are received one at a time (``lock``,
     which a loader also holds while it reads the buffers), so a late thread of an abandoned update never
@@ -196,8 +196,8 @@ class CollectiveReceive:
                 raise
 
     def _device_for(self, backend: str) -> torch.device:
-        # NCCL moves CUDA memory only: its buffers live on this process' current GPU whatever ``device``
-        # says (the transformers target and the vLLM worker both construct this with the CPU default).
+        # NCCL moves CUDA memory only: its buffers live on this process' current GPU when ``device`` names
+        # none (a loader that did not say where its weights live; the default is the CPU).
         if backend == "nccl" and self.device.type != "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return self.device

@@ -10,10 +10,12 @@ whole (``model.lora.modules_to_save``) travels under peft's saved name without t
 adapters follows from the configuration (``model.lora`` is one setting, read by the learner and every
 server); the names are checked, and a full update under a LoRA configuration is refused.
 
-The transformers engine copies its own ``W0`` of each adapted weight the first time it is updated
-(:class:`AdapterApplier`). vLLM workers instead reload every weight of the model from ``model.path``
-with the adapted ones merged (:func:`merged_checkpoint`): its reload fuses q/k/v and gate/up itself,
-and a whole checkpoint is the input it is built for. Only adapter bytes cross the network either way.
+These are helpers for the engines' ``load_adapter`` (``rollout_server/engines/``); weight sync only
+decides that an update is one of adapters. The transformers engine copies its own ``W0`` of each adapted
+weight the first time it is updated (:class:`AdapterApplier`). vLLM workers (and SGLang) instead reload
+every weight of the model from ``model.path`` with the adapted ones merged (:func:`merged_checkpoint`):
+vLLM's reload fuses q/k/v and gate/up itself, and a whole checkpoint is the input it is built for. Only
+adapter bytes cross the network either way.
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
-
-from weight_sync.buckets import checksum
 
 PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
@@ -73,12 +73,6 @@ def updated(base: torch.Tensor, pair: dict[str, torch.Tensor], scale: float) -> 
     return whole.to(device=base.device, dtype=base.dtype)
 
 
-def received(named: list[tuple[str, torch.Tensor]], *, sums: bool) -> tuple[int, dict[str, float]]:
-    """Bytes and (optionally) checksums of the adapter tensors as received, under their peft names."""
-    nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    return nbytes, {n: checksum(t) for n, t in named} if sums else {}
-
-
 class AdapterApplier:
     """Sets an in-process module's adapted weights to ``W0 + scale * B @ A``, keeping each ``W0``."""
 
@@ -87,8 +81,7 @@ class AdapterApplier:
         self._base: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
-    def load(self, model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], *, sums: bool):
-        named = list(named)
+    def load(self, model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(model.named_parameters(remove_duplicate=False))
         for weight, pair in adapter_pairs(named).items():
             target = params.get(weight)
@@ -101,7 +94,6 @@ class AdapterApplier:
             if base is None:
                 base = self._base[weight] = target.detach().clone()
             target.copy_(updated(base, pair, self.scale))
-        return received(named, sums=sums)
 
 
 def merged_checkpoint(

@@ -1,14 +1,16 @@
 """The rollout server's side of a weight update: the state machine behind the Control RPCs.
 
-The rollout server's Control servicer calls these coroutines; they pause and resume the engine, drive
-the transfer through a target (``targets.py``: the in-process module or vLLM's workers) and set
-``engine.policy_version``. The receiver protects the server from a learner that goes away: after
+The rollout server's Control servicer calls these coroutines; they pause and resume what the weights are
+loaded into (a :class:`~weight_sync.loading.WeightLoader`: the server's engine), drive the transfer and
+the load through a :class:`~weight_sync.loading.Delivery` (by default :class:`~weight_sync.inbox.LocalDelivery`:
+received here, handed to ``loader.load_weights``; the engine may bring its own, as vLLM does) and set
+``policy_version``. The receiver protects the server from a learner that goes away: after
 Prepare it arms a watchdog, and if neither Commit nor Abort comes within the sum of the stage deadlines
 it abandons the update and resumes serving on its current weights. A failed transfer falls back to the
 filesystem snapshot of the same version when the learner wrote one, so a survivor of a broken group
 still reaches the new version.
 
-    receiver = WeightReceiver(engine, cfg)
+    receiver = WeightReceiver(loader, cfg)      # the rollout server passes its engine's own delivery too
     await receiver.catch_up()                   # at start: newest snapshot, if newer than model.path
     await receiver.prepare(plan); await receiver.commit(req)   # or: await receiver.abort(req)
 """
@@ -25,8 +27,9 @@ from tether.logs import get_logger
 from tether.trajectory import MAX_POLICY_VERSION
 from tether.v1 import control_pb2
 from weight_sync.buckets import dtype_from_name, tensor_bytes
+from weight_sync.inbox import LocalDelivery
+from weight_sync.loading import Delivery, WeightLoader
 from weight_sync.snapshot import latest_snapshot, snapshot_root
-from weight_sync.targets import make_target
 
 log = get_logger(__name__)
 
@@ -38,11 +41,11 @@ class WeightSyncError(RuntimeError):
 
 
 class WeightReceiver:
-    def __init__(self, engine, cfg: TetherConfig) -> None:
-        self.engine = engine
+    def __init__(self, loader: WeightLoader, cfg: TetherConfig, *, delivery: Delivery | None = None) -> None:
+        self.loader = loader
         self.cfg = cfg
         self.wcfg = cfg.weight_sync
-        self.target = make_target(engine, cfg)
+        self.delivery = delivery if delivery is not None else LocalDelivery(loader, cfg)
         self._plan: control_pb2.WeightUpdatePlan | None = None
         self._paused = False
         self._lock = asyncio.Lock()
@@ -50,7 +53,7 @@ class WeightReceiver:
 
     @property
     def version(self) -> int:
-        return int(getattr(self.engine, "policy_version", 0))
+        return int(self.loader.policy_version)
 
     def _snapshot_root(self) -> Path | None:
         try:
@@ -67,11 +70,11 @@ class WeightReceiver:
                 await self._drop("superseded by a newer update")
             if not self._paused:
                 inflight = _INFLIGHT.get(plan.inflight, self.wcfg.inflight)
-                await self.engine.pause(inflight)
+                await self.loader.pause(inflight)
                 self._paused = True
             # The same update may be prepared twice (the learner re-plans survivors under a new epoch).
             self._plan = plan
-            await self.target.start(plan)
+            await self.delivery.start(plan)
             self._arm_watchdog(plan.update_id)
             log.info(
                 "weight_update_prepared",
@@ -89,15 +92,22 @@ class WeightReceiver:
             start = time.perf_counter()
             version = plan.version
             try:
-                nbytes, sums = await self.target.finish(plan, timeout_s=self.wcfg.commit_timeout_s)
+                tally = await self.delivery.finish(plan, timeout_s=self.wcfg.commit_timeout_s)
+                nbytes, sums = tally.bytes, tally.checksums
             except Exception as exc:
                 log.warning("weight_transfer_failed", version=version, error=repr(exc))
-                loaded = await self._load_snapshot(min_version=version)
+                try:
+                    loaded = await self._load_snapshot(min_version=version)
+                except Exception as again:  # the snapshot would not load either: serve the old weights
+                    await self._drop(f"transfer failed: {exc!r}; snapshot failed: {again!r}")
+                    raise WeightSyncError(
+                        f"update {version}: transfer failed ({exc!r}) and so did its snapshot ({again!r})"
+                    ) from exc
                 if loaded is None:
                     await self._drop(f"transfer failed: {exc!r}")
                     raise WeightSyncError(f"update {version}: transfer failed ({exc!r}) and no snapshot") from exc
                 version, nbytes, sums = loaded
-            self.engine.policy_version = version
+            self.loader.policy_version = version
             self._plan = None
             await self._resume()
             seconds = time.perf_counter() - start
@@ -117,12 +127,12 @@ class WeightReceiver:
         async with self._lock:
             paused_here = not self._paused
             if paused_here:
-                await self.engine.pause(self.wcfg.inflight)
+                await self.loader.pause(self.wcfg.inflight)
                 self._paused = True
             try:
                 loaded = await self._load_snapshot(min_version=self.version + 1)
                 if loaded is not None:
-                    self.engine.policy_version = loaded[0]
+                    self.loader.policy_version = loaded[0]
                     log.info("weights_caught_up", version=loaded[0], bytes=loaded[1])
             finally:
                 if paused_here and self._plan is None:
@@ -134,15 +144,15 @@ class WeightReceiver:
         found = latest_snapshot(root) if root is not None else None
         if found is None or found[0] < min_version:
             return None
-        nbytes, sums = await self.target.load_snapshot(found[1])
-        return found[0], nbytes, sums
+        tally = await self.delivery.load_snapshot(found[1], version=found[0])
+        return found[0], tally.bytes, tally.checksums
 
     async def _drop(self, reason: str) -> None:
         plan, self._plan = self._plan, None
         if plan is not None:
             log.warning("weight_update_dropped", version=plan.version, update_id=plan.update_id, reason=reason)
             with contextlib.suppress(Exception):
-                await self.target.cancel()
+                await self.delivery.cancel()
         await self._resume()
 
     async def _resume(self) -> None:
@@ -150,7 +160,7 @@ class WeightReceiver:
             self._watchdog.cancel()
             self._watchdog = None
         if self._paused:
-            await self.engine.resume()
+            await self.loader.resume()
             self._paused = False
 
     def _arm_watchdog(self, update_id: str) -> None:

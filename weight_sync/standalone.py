@@ -2,8 +2,10 @@
 
 Weight sync is tested and benchmarked against real processes on real ports, and its receiving side must
 not depend on the rollout server being finished (or on its generation code) to be measured. This is the
-smallest real host for ``WeightReceiver``: a model, a version, pause/resume that only record state, and
-the five Control RPCs. It is not a rollout server — it serves no generation.
+smallest real host for ``WeightReceiver``: a model with the one loading method an engine has
+(``load_weights``, by adoption as the transformers engine does; ``load_adapter`` for LoRA), a version,
+pause/resume that only record state, and the five Control RPCs. It is not a rollout server — it serves
+no generation.
 
     python -m weight_sync.standalone --config FILE --model DIR --port 0 --port-file PATH [overrides]
 """
@@ -23,7 +25,7 @@ from tether.v1 import control_pb2, control_pb2_grpc
 
 
 class ModelEngine:
-    """The engine interface weight sync needs (``model``, ``policy_version``, ``pause``, ``resume``)."""
+    """The smallest :class:`~weight_sync.loading.WeightLoader`: a live module it loads into itself."""
 
     name = "transformers"
 
@@ -32,6 +34,7 @@ class ModelEngine:
         self.policy_version = 0
         self.paused: str | None = None
         self.pauses = 0
+        self._adapters = None
 
     async def pause(self, inflight: str) -> None:
         self.paused = inflight
@@ -39,6 +42,31 @@ class ModelEngine:
 
     async def resume(self) -> None:
         self.paused = None
+
+    async def load_weights(self, named, *, version: int, adoptable: bool = False):  # type: ignore[no-untyped-def]
+        """As the transformers engine does: adopt received buckets, copy a snapshot's tensors."""
+        from weight_sync.adopt import load_into_module
+
+        return await asyncio.to_thread(load_into_module, self.model, named, adoptable=adoptable)
+
+    async def load_adapter(self, named, *, version: int, scale: float):  # type: ignore[no-untyped-def]
+        from weight_sync.loading import LoadResult
+        from weight_sync.lora import AdapterApplier
+
+        if self._adapters is None:
+            self._adapters = AdapterApplier(scale)
+        await asyncio.to_thread(self._adapters.load, self.model, named)
+        return LoadResult()
+
+    def weight_delivery(self, cfg: TetherConfig):  # type: ignore[no-untyped-def]
+        """Received here; NCCL receives onto the device the model is on at each update."""
+        from weight_sync.inbox import LocalDelivery
+
+        return LocalDelivery(self, cfg, device=self._device)
+
+    def _device(self):  # type: ignore[no-untyped-def]
+        first = next(self.model.parameters(), None)
+        return first.device if first is not None else None
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelEngine:
@@ -52,16 +80,16 @@ class ModelEngine:
 class ControlServicer(control_pb2_grpc.ControlServicer):
     """Delegates the weight-update RPCs to a ``WeightReceiver``; errors become gRPC statuses."""
 
-    def __init__(self, receiver, engine) -> None:
-        self.receiver, self.engine = receiver, engine
+    def __init__(self, receiver, loader) -> None:
+        self.receiver, self.loader = receiver, loader
 
     async def Pause(self, request, context):
-        await self.engine.pause("keep" if request.inflight != control_pb2.INFLIGHT_POLICY_DRAIN else "drain")
-        return control_pb2.PauseResponse(policy_version=self.engine.policy_version)
+        await self.loader.pause("keep" if request.inflight != control_pb2.INFLIGHT_POLICY_DRAIN else "drain")
+        return control_pb2.PauseResponse(policy_version=self.loader.policy_version)
 
     async def Resume(self, request, context):
-        await self.engine.resume()
-        return control_pb2.ResumeResponse(policy_version=self.engine.policy_version)
+        await self.loader.resume()
+        return control_pb2.ResumeResponse(policy_version=self.loader.policy_version)
 
     async def PrepareWeightUpdate(self, request, context):
         try:
@@ -82,18 +110,18 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 async def serve(cfg: TetherConfig, model_dir: str, *, port: int = 0, port_file: str | None = None) -> None:
     from weight_sync.receiver import WeightReceiver
 
-    engine = ModelEngine.from_path(model_dir)
-    receiver = WeightReceiver(engine, cfg)
+    model = ModelEngine.from_path(model_dir)
+    receiver = WeightReceiver(model, cfg, delivery=model.weight_delivery(cfg))
     await receiver.catch_up()
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
     )
-    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(receiver, engine), server)
+    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(receiver, model), server)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     if port_file:  # written last and atomically: a reader that sees it can connect
         tmp = Path(f"{port_file}.tmp")
-        tmp.write_text(f"{bound} {engine.policy_version}\n")
+        tmp.write_text(f"{bound} {model.policy_version}\n")
         tmp.rename(port_file)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -6,6 +6,11 @@ implements :meth:`Engine.stream`, which yields :class:`Chunk` objects (new token
 with its behaviour log-prob and the policy version of the weights that produced it); the blocking
 :meth:`Engine.generate` is built on top of it once, here, so every backend returns the same thing.
 Plain dataclasses (not protobuf) keep engines free of gRPC and cheap to call in-process (the bench).
+
+Each engine also owns how new weights get into it: :meth:`Engine.load_weights` (and ``load_adapter`` for
+LoRA) takes named tensors and loads them at the engine's own safe point. Weight sync
+(``weight_sync.loading.WeightLoader``) calls only these methods, never the engine's internals, and the
+rollout server wires the two together (``control.load_receiver``).
 """
 
 from __future__ import annotations
@@ -15,9 +20,13 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from tether.v1 import trajectory_pb2
+
+if TYPE_CHECKING:
+    from tether.config import TetherConfig
+    from weight_sync.loading import Delivery, LoadResult, Named
 
 FINISH_STOP = trajectory_pb2.FINISH_REASON_STOP
 FINISH_LENGTH = trajectory_pb2.FINISH_REASON_LENGTH
@@ -123,6 +132,29 @@ class Engine(abc.ABC):
     @property
     def queued_requests(self) -> int:
         return 0
+
+    # --- weights ----------------------------------------------------------------------------------
+    async def load_weights(self, named: Named, *, version: int, adoptable: bool = False) -> LoadResult:
+        """Make ``named`` (full tensors under Hugging Face names) this engine's weights, version ``version``.
+
+        Weight sync calls it while the engine is paused; the engine loads at its own safe point (between
+        generation steps). ``adoptable``: the tensors are receive buffers the engine may keep as its
+        weights without a copy (answer ``LoadResult(kept=True)`` if it did); otherwise copy them. The
+        contract in full: ``weight_sync.loading.WeightLoader``. An engine that cannot load keeps this
+        default: each update then fails on this server with the reason, which keeps its weights.
+        """
+        raise NotImplementedError(f"rollout.engine.type={self.name}: this engine cannot load weight updates")
+
+    async def load_adapter(self, named: Named, *, version: int, scale: float) -> LoadResult:
+        """A LoRA update (adapter tensors under peft's names): each adapted weight becomes ``W0 + scale * B @ A``."""
+        raise NotImplementedError(f"rollout.engine.type={self.name}: this engine cannot load LoRA updates")
+
+    def weight_delivery(self, cfg: TetherConfig) -> Delivery:
+        """Where this engine receives an update: by default in this process, handed to :meth:`load_weights`.
+        An engine whose weights live elsewhere (vLLM's workers) returns its own ``Delivery``."""
+        from weight_sync.inbox import LocalDelivery
+
+        return LocalDelivery(self, cfg)
 
     def step_counts(self) -> dict[str, int]:
         """Counts since start, for metrics and the bench: ``prefill`` / ``decode`` forward passes and

@@ -13,7 +13,9 @@ Each step — forward pass, sampling and the copy of tokens and log-probs to Pyt
 the engine's own thread, so the gRPC event loop stays responsive; between steps the loop checks the
 pause gate, which is how a weight update with ``inflight: keep`` freezes in-flight samples and lets them
 continue on the new weights — every token is tagged with ``policy_version`` read at the step that
-produced it. ``model`` is the live ``torch.nn.Module`` weight sync loads into. Log-probs are of the
+produced it. ``model`` is the live ``torch.nn.Module``; :meth:`TransformersEngine.load_weights` loads an
+update into it on the engine's own thread, so a load never overlaps a forward pass, by adopting the
+received buffers as the parameters' storage (no copy; ``weight_sync/adopt.py``). Log-probs are of the
 processed (temperature-scaled) distribution (see ``sampling.py``). A request's new tokens are
 coalesced per sample until its consumer takes them, so a consumer wakes at most once per step.
 """
@@ -28,7 +30,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rollout_server.engines import decode_attention
 from rollout_server.engines.base import (
@@ -44,6 +46,9 @@ from rollout_server.engines.kv_batch import RunningBatch
 from rollout_server.engines.sampling import RowParams, sample
 from tether.config import TetherConfig
 from tether.logs import get_logger
+
+if TYPE_CHECKING:
+    from weight_sync.loading import Delivery, LoadResult, Named
 
 log = get_logger(__name__)
 
@@ -107,6 +112,7 @@ class TransformersEngine(Engine):
         self.ecfg = cfg.rollout.engine
         self.model: Any = None
         self.device: Any = None
+        self._adapters: Any = None  # weight_sync.lora.AdapterApplier, made by the first LoRA update
         self._waiting: collections.deque[_Request] = collections.deque()  # arrival order; the first may wait for room
         self._arrived = asyncio.Event()
         self._requests: dict[str, _Request] = {}
@@ -248,6 +254,30 @@ class TransformersEngine(Engine):
     @property
     def _running_rows(self) -> int:
         return len(self._rows)
+
+    # --- weights ----------------------------------------------------------------------------------
+    async def load_weights(self, named: Named, *, version: int, adoptable: bool = False) -> LoadResult:
+        """In place, on the engine's thread: received buffers are adopted (the parameters become views into
+        them), snapshot tensors copied; every name and shape is checked before the first one changes."""
+        from weight_sync.adopt import load_into_module
+
+        return await self._threaded(lambda: load_into_module(self.model, named, adoptable=adoptable))
+
+    async def load_adapter(self, named: Named, *, version: int, scale: float) -> LoadResult:
+        """``W0 + scale * B @ A`` into each adapted weight; ``W0`` is copied the first time a weight is adapted."""
+        from weight_sync.loading import LoadResult
+        from weight_sync.lora import AdapterApplier
+
+        if self._adapters is None:
+            self._adapters = AdapterApplier(scale)
+        await self._threaded(lambda: self._adapters.load(self.model, named))
+        return LoadResult()
+
+    def weight_delivery(self, cfg: TetherConfig) -> Delivery:
+        """Received in this process; NCCL receives straight onto the model's device."""
+        from weight_sync.inbox import LocalDelivery
+
+        return LocalDelivery(self, cfg, device=lambda: self.device)
 
     # --- the step loop ---------------------------------------------------------------------------
     async def _scheduler(self) -> None:

@@ -1,8 +1,9 @@
 """vLLM engine: ``vllm.v1`` AsyncLLM with continuous batching, behind the tether :class:`Engine`.
 
-``llm`` is the AsyncLLM. It is created with ``worker_extension_cls=
-"weight_sync.vllm_worker.WeightSyncWorker"`` when that module is importable, so weight sync can call
-``await engine.llm.collective_rpc("tether_<method>", ...)`` inside vLLM's workers. Log-probs are
+``llm`` is the AsyncLLM. It is created with ``worker_extension_cls=WORKER_EXTENSION`` (``vllm_worker.py``,
+beside this file), so a weight update is received and loaded inside vLLM's workers: the engine's
+``weight_delivery`` gives weight sync a :class:`WorkerDelivery`, which forwards each stage with
+``collective_rpc("tether_<method>", ...)`` and resets the prefix cache after a load. Log-probs are
 vLLM's ``processed_logprobs`` mode: of the distribution sampled from, after temperature (and top-k /
 top-p, which training rollouts refuse), the same quantity as the transformers engine
 (``logprob_source = "processed"``; greedy requests get T = 1 log-probs on both engines). Outputs are
@@ -20,6 +21,7 @@ import contextlib
 import importlib.util
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, Literal
 
 from rollout_server.engines.base import (
@@ -34,10 +36,12 @@ from rollout_server.engines.base import (
 )
 from tether.config import TetherConfig
 from tether.logs import get_logger
+from tether.v1 import control_pb2
+from weight_sync.loading import Delivery, Tally
 
 log = get_logger(__name__)
 
-WORKER_EXTENSION = "weight_sync.vllm_worker.WeightSyncWorker"
+WORKER_EXTENSION = "rollout_server.engines.vllm_worker.WeightSyncWorker"
 _FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORTED}
 
 
@@ -81,10 +85,8 @@ class VllmEngine(Engine):
             "enable_prefix_caching": e.enable_prefix_caching,  # type: ignore[union-attr]
             "logprobs_mode": "processed_logprobs",
             "disable_log_stats": False,
+            "worker_extension_cls": WORKER_EXTENSION,
         }
-        with contextlib.suppress(ModuleNotFoundError):  # weight_sync is optional for serving
-            if importlib.util.find_spec("weight_sync.vllm_worker") is not None:
-                kw["worker_extension_cls"] = WORKER_EXTENSION
         return {k: v for k, v in kw.items() if v is not None}
 
     async def start(self) -> None:
@@ -186,3 +188,48 @@ class VllmEngine(Engine):
     @property
     def running_requests(self) -> int:
         return self._running
+
+    def weight_delivery(self, cfg: TetherConfig) -> Delivery:
+        """Weight updates are received and loaded in vLLM's workers (``vllm_worker.WeightSyncWorker``)."""
+        return WorkerDelivery(self.llm, cfg)
+
+
+class WorkerDelivery(Delivery):
+    """vLLM's side of a weight update: each stage forwarded to the worker extension in every worker."""
+
+    def __init__(self, llm: Any, cfg: TetherConfig) -> None:
+        self.llm = llm
+        self.wcfg = cfg.weight_sync
+        self.lora_scale = cfg.model.lora.scale if cfg.model.lora is not None else 0.0  # 0: full updates
+
+    async def _rpc(self, method: str, *args: Any) -> list:
+        return await self.llm.collective_rpc(method, args=args)
+
+    @staticmethod
+    def _merge(results: list) -> Tally:
+        # Every worker loads the full update (vLLM shards inside load_weights); report the first.
+        first = results[0] if results else {"bytes": 0, "checksums": {}}
+        return Tally(int(first["bytes"]), dict(first["checksums"]))
+
+    async def start(self, plan: control_pb2.WeightUpdatePlan) -> None:
+        go_timeout = self.wcfg.prepare_timeout_s + self.wcfg.transfer_timeout_s
+        await self._rpc("tether_prepare", plan.SerializeToString(), self.wcfg.transfer_timeout_s, go_timeout)
+
+    async def finish(self, plan: control_pb2.WeightUpdatePlan, *, timeout_s: float) -> Tally:
+        sums = self.wcfg.verify_checksums
+        result = self._merge(await self._rpc("tether_commit", plan.update_id, timeout_s, sums, self.lora_scale))
+        await self._after_load()
+        return result
+
+    async def load_snapshot(self, path: Path, *, version: int) -> Tally:
+        sums = self.wcfg.verify_checksums
+        result = self._merge(await self._rpc("tether_load_snapshot", str(path), sums, self.lora_scale))
+        await self._after_load()
+        return result
+
+    async def _after_load(self) -> None:
+        # Cached prefixes hold keys/values computed by the old weights.
+        await self.llm.reset_prefix_cache()
+
+    async def cancel(self) -> None:
+        await self._rpc("tether_abort")

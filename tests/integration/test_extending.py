@@ -1,8 +1,13 @@
-"""docs/EXTENDING.md's recipes, each done once: a toy engine, a toy policy loss, a toy advantage estimator.
+"""docs/EXTENDING.md's recipes, each done once: a toy engine (generating, and loading weight updates), a toy
+weight transport, a toy policy loss, a toy advantage estimator.
 
 The engine is one class implementing :class:`rollout_server.engines.Engine` (only ``stream`` does real
 work); a real prompt worker drives it and its samples land in a real Redis buffer with their log-probs and
-per-token versions. The loss is one function and one config class (its knob validated at load time), the
+per-token versions. Its ``load_weights`` is the whole of its weight loading: a real learner-side sender
+publishes over the filesystem and gloo transports to the rollout server's own Control servicer wired to
+it, and the toy ends up holding the learner's exact tensors at the new version. The transport is two
+classes, the sender's end and the receiver's, and moves an update to an engine it knows nothing of.
+The loss is one function and one config class (its knob validated at load time), the
 estimator one function, each in its registry; a real trainer step (tiny model, one gloo rank) must call
 them: the loss scaled by its knob gives exactly scaled gradients, and an estimator that returns zero
 advantages gives zero policy gradients.
@@ -29,10 +34,12 @@ from rollout_server.engines import Chunk, Engine, SamplingSpec
 from tether.config import ConfigError, load_config, save_resolved
 from tether.redis_server import free_port
 from tether.v1 import trajectory_pb2
+from weight_sync.loading import LoadResult
 
 
 class CountingEngine(Engine):
-    """Answers every sample with the tokens 10, 11, ... (``max_tokens`` of them), log-prob -0.5 each."""
+    """Answers every sample with the tokens 10, 11, ... (``max_tokens`` of them), log-prob -0.5 each; its
+    "model" is the tensors of the last weight update it loaded."""
 
     name = "counting"
     max_model_len = 4096
@@ -40,6 +47,14 @@ class CountingEngine(Engine):
     def __init__(self, tokenizer) -> None:  # type: ignore[no-untyped-def]
         self.tokenizer = tokenizer
         self._paused = False
+        self.weights: dict[str, torch.Tensor] = {}
+        self.loads: list[dict] = []
+
+    async def load_weights(self, named, *, version: int, adoptable: bool = False) -> LoadResult:  # type: ignore[no-untyped-def]
+        # Copies, so the receive buffers are not kept (an engine that adopts them answers kept=True).
+        self.weights = {name: tensor.clone() for name, tensor in named}
+        self.loads.append({"version": version, "adoptable": adoptable})
+        return LoadResult(kept=False)
 
     async def start(self) -> None:
         pass
@@ -107,6 +122,134 @@ async def test_a_new_engine_is_one_class(tiny_model_dir: Path, redis_url: str, r
         assert t.completion_token_ids.tolist() == [10, 11, 12, 13, 14]
         assert t.behavior_logprobs.tolist() == pytest.approx([-0.5] * 5)
         assert t.policy_versions.tolist() == [7] * 5
+
+
+def _weights_cfg(tmp_path: Path, model_dir: Path, transport: dict, **weight_sync: object):  # type: ignore[no-untyped-def]
+    section = {
+        **weight_sync,
+        "transport": transport,
+        "verify_checksums": True,
+        "bucket_size_mb": 0.25,
+        "prepare_timeout_s": 10,
+        "transfer_timeout_s": 20,
+        "commit_timeout_s": 20,
+    }
+    return load_config(
+        None,
+        ["--model.path", str(model_dir), "--run.run_id", f"ext-{uuid.uuid4().hex[:6]}",
+         "--run.output_dir", str(tmp_path), "--weight_sync", yaml.safe_dump(section, default_flow_style=True)],
+    )  # fmt: skip
+
+
+async def _publish_to(engine: Engine, cfg, learner: torch.nn.Module, version: int) -> dict:  # type: ignore[no-untyped-def]
+    """One update from a real sender to the rollout server's Control servicer around ``engine``."""
+    import grpc
+
+    from rollout_server.control import ControlServicer
+    from rollout_server.metrics import ServerMetrics
+    from rollout_server.state import ServerState
+    from tether.v1 import control_pb2_grpc
+    from weight_sync.sender import WeightSender
+
+    server = grpc.aio.server()
+    state = ServerState(cfg, engine, "rollout-toy", ServerMetrics("rollout-toy"))
+    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(state), server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    sender = WeightSender(cfg, model=learner, servers=[address])
+    try:
+        metrics = await asyncio.to_thread(sender.publish, version)
+        assert metrics["weight_sync/reached"] == 1, sender.last_dropped  # checksums compared, too
+        return metrics
+    finally:
+        sender.close()
+        await server.stop(None)
+
+
+@pytest.mark.parametrize("transport", [{"type": "filesystem"}, {"type": "gloo", "master_port": 0}])
+async def test_a_new_engine_loads_weight_updates_with_one_method(
+    tmp_path: Path, tiny_model_dir: Path, transport: dict
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = _weights_cfg(tmp_path, tiny_model_dir, transport)
+    engine = CountingEngine(AutoTokenizer.from_pretrained(tiny_model_dir))
+    learner = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.mul_(1.5)
+    await _publish_to(engine, cfg, learner, 1)
+    assert engine.policy_version == 1 and not engine.paused
+    # Received buckets may be adopted; a snapshot read from disk may not.
+    assert engine.loads == [{"version": 1, "adoptable": transport["type"] == "gloo"}]
+    expected = dict(learner.named_parameters())
+    assert engine.weights.keys() == expected.keys()
+    for name, tensor in engine.weights.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0)
+
+
+async def test_a_new_transport_is_a_sender_and_a_receiver(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A toy transport — each segment a file of raw bytes — moves an update to the toy engine above.
+
+    Its two classes stand where docs/EXTENDING.md puts a transport's: the sender's end (what
+    ``make_sender_transport`` returns) and the receiver's end (an entry in ``weight_sync.inbox.SOURCES``).
+    A test cannot add a field to the plan's ``source`` oneof (control.proto), so the toy addresses its
+    folder with the filesystem source's message and takes that entry's place for the test.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tether.v1 import control_pb2
+    from weight_sync import inbox, sender
+    from weight_sync.buckets import Layout, empty_bucket, plan_segments, unpack
+    from weight_sync.transport import SenderTransport
+
+    class RawFilesSender(SenderTransport):
+        name = "raw-files"
+
+        def __init__(self, root: Path) -> None:
+            self.root, self.folder, self.sent = root, root, 0
+
+        def sources(self, servers, *, version):  # type: ignore[no-untyped-def]
+            self.folder, self.sent = self.root / f"v{version}", 0
+            self.folder.mkdir(parents=True)
+            return {s: {"filesystem": control_pb2.FilesystemSource(path=str(self.folder))} for s in servers}
+
+        def send(self, flat, *, on_done=None):  # type: ignore[no-untyped-def]
+            (self.folder / f"{self.sent:05d}.bin").write_bytes(flat.cpu().numpy().tobytes())
+            self.sent += 1
+            if on_done is not None:
+                on_done()
+
+    class RawFilesReceiver(inbox.SourceReceiver):
+        def take(self, plan, *, timeout_s):  # type: ignore[no-untyped-def]
+            layout = Layout.from_plan(plan)
+            flats = [empty_bucket(bucket) for bucket in plan.buckets]
+            for i, seg in enumerate(plan_segments(layout, min_bytes=0)):  # the order the sender sent them in
+                data = (Path(plan.filesystem.path) / f"{i:05d}.bin").read_bytes()
+                flats[seg.bucket][seg.start : seg.end] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            named = [
+                pair for flat, group in zip(flats, layout.bucket_members(), strict=True) for pair in unpack(flat, group)
+            ]
+            return inbox.Incoming(named, on_kept=lambda: None)  # fresh buffers: an engine may keep them
+
+    root = tmp_path / "raw"
+    monkeypatch.setattr(sender, "make_sender_transport", lambda cfg, *, snapshot_root: RawFilesSender(root))
+    monkeypatch.setitem(inbox.SOURCES, "filesystem", RawFilesReceiver)
+    cfg = _weights_cfg(
+        tmp_path, tiny_model_dir, {"type": "filesystem"}, snapshot_every=0
+    )  # no snapshot to fall back on
+    engine = CountingEngine(AutoTokenizer.from_pretrained(tiny_model_dir))
+    learner = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(0.25)
+    await _publish_to(engine, cfg, learner, 1)
+    assert sorted(root.glob("v1/*.bin")) and not list(tmp_path.rglob("model.safetensors.index.json"))
+    assert engine.policy_version == 1 and engine.loads == [{"version": 1, "adoptable": True}]
+    for name, param in learner.named_parameters():
+        torch.testing.assert_close(engine.weights[name], param, rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ def _gated(fleet: Fleet, model_dir: Path, cfg) -> tuple[str, GatedEngine]:  # no
     engine = fleet.engines[-1]
     gated = GatedEngine(engine.model)
     gated.policy_version = engine.policy_version
-    fleet.receivers[-1].engine = gated
+    fleet.receivers[-1].loader = gated  # pauses and versions go to the gate; loads to the same model
     return address, gated
 
 

@@ -18,6 +18,7 @@ import torch
 from tether.config import TetherConfig
 from tether.tiny_model import make_tiny_model
 from tether.v1 import control_pb2_grpc
+from weight_sync.collective import CollectiveReceive
 from weight_sync.receiver import WeightReceiver
 from weight_sync.sender import WeightSender
 from weight_sync.snapshot import latest_snapshot, read_snapshot, snapshot_root
@@ -47,7 +48,7 @@ class Fleet:
     def add(self, model_dir: Path, cfg: TetherConfig) -> str:
         async def start() -> str:
             engine = ModelEngine.from_path(model_dir)
-            receiver = WeightReceiver(engine, cfg)
+            receiver = WeightReceiver(engine, cfg, delivery=engine.weight_delivery(cfg))
             await receiver.catch_up()
             server = grpc.aio.server()
             control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(receiver, engine), server)
@@ -69,7 +70,12 @@ class Fleet:
 
 def receive_buffers(receiver: WeightReceiver) -> set[int]:
     """Addresses of every receive buffer a receiver holds (both sets)."""
-    return {flat.data_ptr() for flats in receiver.target.collective._sets for flat in flats}
+    return {flat.data_ptr() for flats in collective(receiver)._sets for flat in flats}
+
+
+def collective(receiver: WeightReceiver) -> CollectiveReceive:
+    """The receiver's collective receive: its group and its (up to two) sets of receive buffers."""
+    return receiver.delivery.inbox.end("collective").receive
 
 
 def storage_in(param: torch.Tensor, buffers: set[int]) -> bool:
@@ -138,7 +144,7 @@ def test_gloo_update_reaches_every_receiver(
             assert sender.pool.allocated == slots
             for engine, receiver in zip(fleet.engines, fleet.receivers, strict=True):
                 assert engine.policy_version == version
-                assert len(receiver.target.collective._sets) == 2
+                assert len(collective(receiver)._sets) == 2
                 assert all(storage_in(p, receive_buffers(receiver)) for p in engine.model.parameters())
                 for name, param in engine.model.named_parameters():
                     torch.testing.assert_close(param, expected[name], rtol=0, atol=0)

@@ -97,4 +97,4 @@ def test_a_full_update_is_refused_under_a_lora_config(tmp_path: Path, tiny_model
 
     model = ModelEngine.from_path(tiny_model_dir).model
     with pytest.raises(ValueError, match="not a LoRA adapter tensor"):
-        AdapterApplier(2.0).load(model, list(model.named_parameters())[:1], sums=False)
+        AdapterApplier(2.0).load(model, list(model.named_parameters())[:1])

@@ -2,7 +2,8 @@
 
 vLLM spawns processes and takes 60-90 s to start here, so ONE engine serves the whole module, in a
 subprocess running this file as a script (``if __name__ == "__main__"``). The script is both sides: a
-Control server around the vLLM engine (WeightReceiver → collective_rpc → WeightSyncWorker) and the learner
+Control server around the vLLM engine (WeightReceiver → the vLLM engine's delivery, ``WorkerDelivery`` →
+collective_rpc → ``rollout_server.engines.vllm_worker.WeightSyncWorker``) and the learner
 (WeightSender in a thread), over real gRPC and real gloo; it writes its observations as JSON. Last, a LoRA
 run's update (adapter tensors only) is merged by the worker into ``model.path``'s weights.
 """
@@ -22,12 +23,12 @@ PROMPT = [60, 61, 62, 63, 64]
 
 
 class VllmTestEngine:
-    """The engine surface weight sync uses (``name``, ``llm``, ``policy_version``, pause/resume)."""
+    """What weight sync pauses and versions (the loading is the vLLM engine's ``WorkerDelivery``)."""
 
     name = "vllm"
 
-    def __init__(self, llm) -> None:
-        self.llm, self.policy_version, self.pauses = llm, 0, 0
+    def __init__(self) -> None:
+        self.policy_version, self.pauses = 0, 0
 
     async def pause(self, inflight: str) -> None:
         self.pauses += 1
@@ -67,6 +68,7 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from rollout_server.engines.vllm_engine import WORKER_EXTENSION, WorkerDelivery
     from tether.config import TetherConfig
     from tether.v1 import control_pb2_grpc
     from weight_sync.receiver import WeightReceiver
@@ -80,7 +82,7 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
             enforce_eager=True,
             max_model_len=256,
             max_num_seqs=4,
-            worker_extension_cls="weight_sync.vllm_worker.WeightSyncWorker",
+            worker_extension_cls=WORKER_EXTENSION,
             seed=0,
         )
     )
@@ -110,9 +112,9 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
         )
 
     result: dict = {"before": await greedy("before")}
-    engine = VllmTestEngine(llm)
+    engine = VllmTestEngine()
     gloo = cfg({"type": "gloo", "master_port": 0})
-    receiver = WeightReceiver(engine, gloo)
+    receiver = WeightReceiver(engine, gloo, delivery=WorkerDelivery(llm, gloo))
     server = grpc.aio.server()
     control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(receiver, engine), server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
@@ -162,7 +164,8 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
     ].tolist()
     result["lora_adapter_bytes"] = sum(p.numel() * p.element_size() for _, p in params)
     server = grpc.aio.server()
-    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(WeightReceiver(engine, lora_cfg), engine), server)
+    lora_receiver = WeightReceiver(engine, lora_cfg, delivery=WorkerDelivery(llm, lora_cfg))
+    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(lora_receiver, engine), server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
     lora_sender = WeightSender(lora_cfg, model=adapted, params=params, servers=[address])

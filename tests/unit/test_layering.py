@@ -10,6 +10,10 @@ Layers, lowest first:
 
 The test reads every module's imports with :mod:`ast` (module level and inside functions alike), so a lazy
 import cannot hide an upward edge.
+
+Weight sync in particular never reaches into an engine (issue 33): it never imports ``rollout_server``
+(not even by a dotted name in a string) and has no variable, argument or attribute named ``engine`` or
+``llm`` — it calls what it loads into through ``weight_sync.loading.WeightLoader`` and nothing else.
 """
 
 from __future__ import annotations
@@ -91,3 +95,63 @@ def test_imports_flow_one_way():
 def test_the_rule_can_fail(module, name, upward):
     """The checker flags an upward or sideways edge and passes a downward one."""
     assert against_layering(module, name) is upward
+
+
+ENGINE_NAMES = {"engine", "llm"}
+"""Identifiers weight_sync must not have: what it loads into is a ``WeightLoader``, not an engine it reads."""
+
+
+def engine_reach(source: str) -> list[str]:
+    """Where a module's source imports the rollout server or names an engine (line: what), in order."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [(line, f"imports {m}") for m in modules if _unit(m) == "rollout_server"]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value.split(".")[0] == "rollout_server":
+                found.append((line, f"names {node.value!r}"))
+        else:
+            names = {
+                ast.Name: lambda n: n.id,
+                ast.Attribute: lambda n: n.attr,
+                ast.arg: lambda n: n.arg,
+                ast.keyword: lambda n: n.arg,
+            }
+            get = names.get(type(node))
+            name = get(node) if get is not None else None
+            if name in ENGINE_NAMES:
+                found.append((line, f"{type(node).__name__.lower()} {name!r}"))
+    return [f"line {line}: {what}" for line, what in sorted(found)]
+
+
+def test_weight_sync_never_reaches_into_an_engine():
+    bad = [
+        f"{module}: {hit}"
+        for module, path in _modules()
+        if _unit(module) == "weight_sync"
+        for hit in engine_reach(path.read_text(encoding="utf-8"))
+    ]
+    assert not bad, "weight_sync must load through WeightLoader, never an engine:\n  " + "\n  ".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("source", "reaches"),
+    [
+        ("from rollout_server.engines import Engine", True),
+        ("import rollout_server.engines.vllm_engine as v", True),
+        ("cls = 'rollout_server.engines.vllm_worker.WeightSyncWorker'", True),
+        ("def f(engine):\n    return 1", True),
+        ("self.engine = x", True),
+        ("model = self.engine.model", True),
+        ("await target.llm.collective_rpc('tether_prepare')", True),
+        ("getattr(engine, 'model', None)", True),
+        ("await loader.load_weights(named, version=1)", False),
+        ("s = 'the rollout server and its engine'", False),
+        ("class ModelEngine:\n    pass", False),
+    ],
+)
+def test_the_engine_rule_can_fail(source, reaches):
+    """The weight_sync check flags an import of the rollout server or any use of an engine, nothing else."""
+    assert bool(engine_reach(source)) is reaches

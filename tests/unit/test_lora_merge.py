@@ -31,7 +31,7 @@ def test_applier_equals_peft_merge_and_does_not_compound() -> None:
                            if "lora_" not in k})  # fmt: skip
     applier = AdapterApplier(scale)
     for _ in range(2):  # a second identical update lands on the base again, not on the first merge
-        applier.load(plain, named, sums=False)
+        applier.load(plain, named)
     merged = model.merge_and_unload()
     for (name, want), got in zip(merged.state_dict().items(), plain.state_dict().values(), strict=True):
         assert_close(got, want, atol=1e-6, rtol=1e-6, msg=name)
@@ -61,12 +61,12 @@ def test_saved_module_tensors_replace_their_weight_whole() -> None:
     bias = torch.randn(12)
     update = [*named, ("base_model.model.0.bias", bias)]  # a module trained whole travels under its saved name
     plain = torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.Linear(12, 16))
-    AdapterApplier(scale).load(plain, update, sums=False)
+    AdapterApplier(scale).load(plain, update)
     assert torch.equal(plain[0].bias, bias)
     base = [("0.weight", torch.zeros(12, 16)), ("0.bias", torch.ones(12)), ("1.weight", torch.zeros(16, 12))]
     assert torch.equal(dict(merged_checkpoint(update, lambda: iter(base), scale))["0.bias"], bias)
     with pytest.raises(ValueError, match="does not fit"):
-        AdapterApplier(scale).load(plain, [("base_model.model.0.bias", torch.ones(3))], sums=False)
+        AdapterApplier(scale).load(plain, [("base_model.model.0.bias", torch.ones(3))])
     for frozen in ("base_model.model.0.base_layer.weight", "base_model.model.norm.original_module.weight"):
         with pytest.raises(ValueError, match="not a LoRA adapter tensor"):
             target_name(frozen)

@@ -1,11 +1,13 @@
-"""Loading by adoption: parameters become views into the received buffers; bad updates change nothing."""
+"""Loading by adoption: parameters become views into the received buffers; bad updates change nothing;
+an engine's ``load_weights`` adopts only what weight sync offers as adoptable."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from weight_sync.adopt import adopt_into_module
+from weight_sync.adopt import adopt_into_module, load_into_module
+from weight_sync.loading import Tally
 
 
 class Tied(torch.nn.Module):
@@ -21,7 +23,9 @@ def test_adopts_same_dtype_and_casts_the_rest_keeping_ties() -> None:
     model = Tied()
     flat = torch.randn(7 * 4 + 4)
     embed, norm = flat[:28].view(7, 4), flat[28:]
-    (nbytes, sums), adopted = adopt_into_module(model, [("embed.weight", embed), ("norm", norm)], sums=True)
+    tally = Tally()
+    adopted = adopt_into_module(model, list(tally.count([("embed.weight", embed), ("norm", norm)], sums=True)))
+    nbytes, sums = tally.bytes, tally.checksums
     assert adopted == 1 and nbytes == flat.numel() * 4
     assert model.embed.weight.data_ptr() == flat.data_ptr() and model.head.weight is model.embed.weight
     torch.testing.assert_close(model.norm, norm.to(torch.bfloat16), rtol=0, atol=0)  # copied (cast)
@@ -43,7 +47,19 @@ def test_a_bad_update_changes_nothing(named: list, error: type) -> None:
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     ptr = model.embed.weight.data_ptr()
     with pytest.raises(error):
-        adopt_into_module(model, named, sums=False)
+        adopt_into_module(model, named)
     assert model.embed.weight.data_ptr() == ptr
     for n, p in model.named_parameters():
         torch.testing.assert_close(p, before[n], rtol=0, atol=0)
+
+
+def test_load_into_module_copies_what_is_not_adoptable_and_says_what_it_kept() -> None:
+    flat = torch.randn(7 * 4)
+    update = [("embed.weight", flat.view(7, 4))]
+    copied = Tied()
+    assert not load_into_module(copied, update, adoptable=False).kept  # a snapshot's tensors: copied
+    assert copied.embed.weight.data_ptr() != flat.data_ptr()
+    torch.testing.assert_close(copied.head.weight, flat.view(7, 4), rtol=0, atol=0)
+    adopted = Tied()
+    assert load_into_module(adopted, iter(update), adoptable=True).kept  # received buffers: adopted
+    assert adopted.embed.weight.data_ptr() == flat.data_ptr() and adopted.head.weight is adopted.embed.weight

