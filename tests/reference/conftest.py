@@ -54,6 +54,22 @@ def load_trl() -> types.ModuleType:
     return importlib.import_module("trl")
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line per quantity compared: the largest abs difference to the reference over all its checks."""
+    from tests.reference.inputs import RECORDED
+
+    worst: dict[tuple[str, str, str], tuple[float, int]] = {}
+    for what, reference, dtype, diff in RECORDED:
+        key = (what, reference, dtype)
+        top, n = worst.get(key, (0.0, 0))
+        worst[key] = (max(top, diff) if diff == diff else top, n + 1)  # NaN: shapes differed, the check failed
+    if not worst:
+        return
+    terminalreporter.section("tether vs the reference: largest abs difference")
+    for (what, reference, dtype), (top, n) in sorted(worst.items()):
+        terminalreporter.write_line(f"{top:9.2e}  {what} vs {reference} ({dtype}, {n} checks)")
+
+
 @pytest.fixture(scope="session")
 def verl() -> types.SimpleNamespace:
     """verl's ``core_algos`` & co. (:func:`tests.reference._verl.load_verl`)."""

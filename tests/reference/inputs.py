@@ -147,6 +147,11 @@ def agg_scale(mode: str, dtype: torch.dtype) -> float:
     return 200.0 if mode == "seq-mean-token-mean" and dtype == torch.float64 else 1.0
 
 
+RECORDED: list[tuple[str, str, str, float]] = []
+"""Every comparison :func:`check` made in this session: ``(what, reference, dtype, max abs diff)``; the suite
+prints the largest difference of each at the end (``conftest.pytest_terminal_summary``)."""
+
+
 def check(
     actual: object, expected: object, *, what: str, reference: str, dtype: torch.dtype, scale: float = 1.0
 ) -> None:
@@ -157,6 +162,8 @@ def check(
 
     def message(default: str) -> str:
         return f"{what}: tether vs {reference}, max abs diff {diff:.3e} ({dtype}, {tol})\n{default}"
+
+    RECORDED.append((what, reference, str(dtype).removeprefix("torch."), diff))
 
     torch.testing.assert_close(actual, expected, msg=message, **tol)
 
