@@ -52,13 +52,14 @@ def as_text(value: Any) -> str:
 
 
 def model_context(cfg: TetherConfig) -> int:
-    """Prompt + completion tokens the model takes, as the transformers engine reads it."""
+    """Prompt + completion tokens the model takes, as the transformers engine reads it
+    (:meth:`ModelConfig.context_length`); the model folder's config is read only when it is needed."""
     if cfg.model.max_model_len:
         return cfg.model.max_model_len
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    return int(getattr(config, "max_position_embeddings", 2048))
+    m = cfg.model
+    return m.context_length(AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code))
 
 
 def prompt_limit(cfg: TetherConfig) -> tuple[int, str, str]:

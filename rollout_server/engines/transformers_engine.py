@@ -134,9 +134,7 @@ class TransformersEngine(Engine):
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.model, self.tokenizer, self.device = await asyncio.to_thread(self._load)
-        self.max_model_len = self.cfg.model.max_model_len or int(
-            getattr(self.model.config, "max_position_embeddings", 2048)
-        )
+        self.max_model_len = self.cfg.model.context_length(self.model.config)
         for e in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
             self._eos.update(e if isinstance(e, list) else [] if e is None else [e])
         for ev in (self._admit, self._step_gate, self._forward_idle, self._batch_idle):

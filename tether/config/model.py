@@ -62,6 +62,12 @@ class ModelConfig(Section):
     trust_remote_code: bool = False
     """Allow model folders that ship their own modelling code."""
 
+    def context_length(self, hf_config: object) -> int:
+        """Prompt + completion tokens the model takes: ``max_model_len``, else ``hf_config``'s (the model
+        folder's Hugging Face config) ``max_position_embeddings`` — the rollout engine's limit, which the
+        learner's prompt check follows."""
+        return self.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
+
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of the full actor (``{rank, alpha, target_modules, dropout,
     modules_to_save}``); weight updates then carry the adapter tensors (and the saved modules) only.
