@@ -99,3 +99,15 @@ class RedisKeys:
     def learner(self) -> str:
         """Hash the learner publishes for dashboards: ``step``, ``reward_mean``, ``tokens_per_s``, ..."""
         return self.prefix + "learner"
+
+    @property
+    def weights(self) -> str:
+        """The newest version in the weight store (``store`` transport), JSON: version, the origin's
+        address, dtype; written by the learner once the version's manifest is in place."""
+        return self.prefix + "weights"
+
+    @property
+    def weights_held(self) -> str:
+        """Hash server id -> JSON ``{"version", "peer"}``: the version each server serves and where its
+        chunk service answers peers (``store`` transport); written by the server on each swap."""
+        return self.prefix + "weights_held"

@@ -17,12 +17,14 @@ import time
 import torch
 
 from buffer import ServerRegistry
+from buffer.weights import announce_weights, held_versions
 from learner.lora import adapter_params, is_lora
 from learner.rank_zero import RankZero
 from learner.telemetry import nvtx
 from tether.config import TetherConfig
 from tether.metrics import MetricsLogger
 from weight_sync.sender import WeightSender
+from weight_sync.store_sender import StoreSender
 
 
 class Publisher:
@@ -39,7 +41,15 @@ class Publisher:
         self.zero, self.metrics = zero, metrics
         registry = ServerRegistry(zero.client, zero.keys) if zero is not None else None
         params = adapter_params(model) if is_lora(model) else None  # LoRA: updates carry the adapters only
-        self.sender = WeightSender(cfg, model=model, params=params, rank=rank, world_size=world, registry=registry)
+        if cfg.weight_sync.transport.type == "store":  # published once, pulled by the fleet
+            self.sender: WeightSender | StoreSender = StoreSender(
+                cfg, model=model, params=params, rank=rank, world_size=world,
+                announce=self._announce if zero is not None else None,
+                fleet=self._fleet if zero is not None else None,
+            )  # fmt: skip
+        else:
+            self.sender = WeightSender(cfg, model=model, params=params, rank=rank, world_size=world, registry=registry)
+        self.registry = registry
         self.background_ok = cfg.weight_sync.async_publish and cfg.algorithm.max_staleness >= 1
         """Whether a publication may be sent while the next step trains."""
         self.published = 0
@@ -48,12 +58,24 @@ class Publisher:
 
     def start(self, version: int, *, republish: bool) -> None:
         """Before any prompt is fed: with ``republish`` every server generates from the checkpoint's weights."""
-        if republish:
+        if republish or isinstance(self.sender, StoreSender):
+            # The store transport always starts from a base of the starting weights: deltas need a version
+            # every server can hold (a fresh run's v0 included), and versions after it are a lost timeline.
             self.sender.publish(version, snapshot=True)
         zero = self.zero
         if zero is not None and (republish or zero.published_version() < version):
             zero.record_version(version)
         self.published = version
+
+    def _announce(self, info: dict) -> None:
+        assert self.zero is not None
+        announce_weights(self.zero.client, self.zero.keys, info)
+
+    def _fleet(self) -> dict[str, int]:
+        """The version each live server holds (store transport: what a publication waits for)."""
+        assert self.zero is not None and self.registry is not None
+        live = [s.server_id for s in self.registry.live()]
+        return {sid: held.version for sid, held in held_versions(self.zero.client, self.zero.keys, live).items()}
 
     def publish(self, version: int, *, background: bool) -> dict[str, float]:
         """Publish the weights as ``version`` (on every rank); the report on rank 0 when not in the background."""

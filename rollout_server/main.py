@@ -71,7 +71,9 @@ async def serve(cfg: TetherConfig, *, port: int, server_id: str, stop: asyncio.E
     state.metrics.watch_engine(engine.step_counts)
     state.sink = _connect_sink(cfg, server_id)
     control = ControlServicer(state)
-    await _catch_up(control)
+    pulling = cfg.weight_sync.transport.type == "store" and state.sink is not None
+    if not pulling:
+        await _catch_up(control)
     episodes = EpisodeStore(state)
     server, bound, health = build_grpc_server(
         rollout=RolloutServicer(state, episodes),
@@ -85,6 +87,11 @@ async def serve(cfg: TetherConfig, *, port: int, server_id: str, stop: asyncio.E
     )
     host = rc.host if rc.host not in ("", "0.0.0.0", "[::]") else socket.gethostname()
     state.address = f"{host}:{bound}"
+    puller = None
+    if pulling:  # versions published once, pulled from peers / relays / the learner (rollout_server/pull.py)
+        from rollout_server.pull import start_puller
+
+        puller = await start_puller(state)
     await server.start()
     await set_serving(health, True)
     if rc.metrics_port is not None:
@@ -94,6 +101,8 @@ async def serve(cfg: TetherConfig, *, port: int, server_id: str, stop: asyncio.E
     worker_task = None
     if state.sink is not None:
         tasks.append(asyncio.create_task(_heartbeat_forever(state, control, stop), name="heartbeat"))
+        if puller is not None:
+            tasks.append(asyncio.create_task(puller.run(stop), name="weight-puller"))
         if rc.prompt_workers > 0:
             from rollout_server.worker import PromptWorker
 
@@ -114,9 +123,13 @@ async def serve(cfg: TetherConfig, *, port: int, server_id: str, stop: asyncio.E
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await server.stop(grace=1.0)
+    if puller is not None:
+        puller.close()
     if state.sink is not None:
         with contextlib.suppress(Exception):
             await state.sink.remove()
+            if puller is not None:
+                await state.sink.forget_weights()
         state.sink.close()
     await engine.shutdown()
     log.info("rollout_server_stopped", server_id=server_id, generated_tokens=state.metrics.total_tokens)
@@ -201,7 +214,8 @@ async def _heartbeat_forever(state, control, stop: asyncio.Event) -> None:  # ty
             # next update reaches it, producing groups the learner drops as stale; if the learner is
             # waiting for exactly those groups, that next update never comes. So whenever the published
             # version is ahead of ours, load the newest snapshot (catch_up is a no-op without one).
-            if await state.sink.published_version() > state.engine.policy_version:
+            pulls = state.cfg.weight_sync.transport.type == "store"  # the puller catches up by itself
+            if not pulls and await state.sink.published_version() > state.engine.policy_version:
                 await _catch_up(control)
             said_ended = await _check_run_end(state, stop, said_ended)
         except Exception as e:

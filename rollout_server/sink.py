@@ -164,6 +164,29 @@ class BufferSink:
 
         return await self._call(read_version, self.client, self.keys)
 
+    async def weights_announced(self) -> dict | None:
+        """The store transport's announced version (``buffer.weights``), None before the first."""
+        from buffer.weights import read_announcement
+
+        return await self._call(read_announcement, self.client, self.keys)
+
+    async def weights_held(self) -> dict:
+        """What each live server (this one included, heartbeat or not) holds: id -> ``buffer.weights.Held``."""
+        from buffer.weights import held_versions
+
+        live = {info.server_id for info in await self._call(self.registry.live)} | {self.server_id}
+        return await self._call(held_versions, self.client, self.keys, sorted(live))
+
+    async def record_weights(self, version: int, peer: str) -> None:
+        from buffer.weights import Held, record_held
+
+        await self._call(record_held, self.client, self.keys, self.server_id, Held(version, peer))
+
+    async def forget_weights(self) -> None:
+        from buffer.weights import forget_held
+
+        await self._call(forget_held, self.client, self.keys, self.server_id)
+
     async def run_ended(self) -> dict | None:
         """What the learner published when the run finished (step, version), or None while it goes on."""
         from buffer.health import run_ended

@@ -33,6 +33,7 @@ from weight_sync.buckets import Layout, unpack
 from weight_sync.collective import CollectiveReceive
 from weight_sync.loading import Delivery, LoadResult, Named, Tally, WeightLoader
 from weight_sync.snapshot import read_snapshot
+from weight_sync.versions import Weights
 
 
 @dataclass
@@ -195,6 +196,9 @@ class LocalDelivery(Delivery):
 
     async def cancel(self) -> None:
         self.inbox.cancel()
+
+    async def load_pulled(self, weights: Weights, *, on_kept: Callable[[], None]) -> Tally:
+        return await self._load(Incoming(weights.named_tensors().items(), on_kept=on_kept), version=weights.version)
 
     async def _load(self, incoming: Incoming, *, version: int) -> Tally:
         tally = Tally()

@@ -17,7 +17,7 @@ Importing this module imports nothing heavy (no torch), so an engine's base clas
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from tether.v1 import control_pb2
+    from weight_sync.versions import Weights
 
 Named = Iterable[tuple[str, "torch.Tensor"]]
 """``(name, tensor)`` pairs: full (unsharded) tensors under the learner's (Hugging Face) names, in the
@@ -115,3 +116,9 @@ class Delivery(abc.ABC):
 
     async def cancel(self) -> None:  # noqa: B027 - a background receive ends by itself (aborted group)
         pass
+
+    async def load_pulled(self, weights: Weights, *, on_kept: Callable[[], None]) -> Tally:
+        """Load a version the server pulled from the store (``weight_sync.puller``) as ``weights.version``:
+        its tensors are views into a buffer the puller keeps; ``on_kept`` is called if the engine kept them
+        as its weights, so the puller never decodes into that buffer while they are served."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load a pulled version (transport: store)")

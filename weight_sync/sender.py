@@ -330,7 +330,7 @@ class WeightSender:
         """Gather parameter by parameter (every rank); rank 0 hands each whole tensor to ``on_tensor(i, full)``."""
         checksums: dict[str, float] = {}
         for i, (name, param) in enumerate(self._params):
-            full = _full(param).detach()  # a collective on all ranks when the parameter is sharded
+            full = full_tensor(param).detach()  # a collective on all ranks when the parameter is sharded
             if self.rank != 0 or on_tensor is None:
                 continue
             if self.wcfg.verify_checksums:
@@ -458,7 +458,7 @@ def _sendable(tensor: torch.Tensor, device: torch.device) -> bool:
     return tensor.is_contiguous() and tensor.device == device
 
 
-def _full(param: torch.Tensor) -> torch.Tensor:
+def full_tensor(param: torch.Tensor) -> torch.Tensor:
     """The whole parameter. On a one-rank mesh the local shard already is (no all-gather, no DTensor
     dispatch: at the demo size that was most of the sender's time on the learner's critical path)."""
     if not isinstance(param, DTensor):

@@ -217,6 +217,17 @@ class VersionStore:
         current.fetched_bytes = fetched
         return current
 
+    def truncate(self, after: int) -> int:
+        """Remove every manifest of a version after ``after`` (a resumed learner: versions published after
+        its checkpoint belong to a timeline that is gone); chunks go at the next prune. Returns how many."""
+        removed = 0
+        for v, kinds in self._listing().items():
+            if v > after:
+                for kind in kinds:
+                    self.manifest_path(v, kind).unlink(missing_ok=True)
+                    removed += 1
+        return removed
+
     # -- pruning -----------------------------------------------------------------------------------------
     def prune(self, keep: int) -> tuple[int, int]:
         """Keep the newest ``keep`` versions readable from nothing (their base and the deltas after it stay,
@@ -293,13 +304,24 @@ class Publisher:
         self.prev: Weights | None = None
         self._spare: Weights | None = None
 
+    def stage(self, version: int, named: Named) -> Weights:
+        """Cast ``named`` (full tensors, in a fixed order) into the publication dtype: the only step that
+        reads the model, so the caller may change the weights as soon as it returns (:meth:`commit` the
+        result, possibly on another thread)."""
+        spare, self._spare = self._spare, None
+        return flatten(named, version=version, dtype=self.dtype, reuse=spare)
+
     def publish(self, version: int, named: Named) -> Published:
         """Publish ``named`` (full tensors, in a fixed order) as ``version``; see the class docstring."""
+        return self.commit(self.stage(version, named))
+
+    def commit(self, weights: Weights, *, base: bool = False) -> Published:
+        """Encode and write staged ``weights``; ``base``: a base whatever the schedule (a resumed learner)."""
         t0 = time.perf_counter()
-        weights = flatten(named, version=version, dtype=self.dtype, reuse=self._spare)
+        version = weights.version
         prev = self.prev
         can_delta = prev is not None and prev.version == version - 1 and prev.layout() == weights.layout()
-        kinds = ["base"] if version % self.base_every == 0 or not can_delta else []
+        kinds = ["base"] if base or version % self.base_every == 0 or not can_delta else []
         if can_delta and (not kinds or self.delta_at_base):
             kinds.append("delta")
         encoded = {k: encode_version(weights, prev if k == "delta" else None, chunk_bytes=self.chunk_bytes,

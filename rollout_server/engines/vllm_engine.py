@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import json
 import os
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +40,7 @@ from tether.config import TetherConfig
 from tether.logs import get_logger
 from tether.v1 import control_pb2
 from weight_sync.loading import Delivery, Tally
+from weight_sync.versions import Weights
 
 log = get_logger(__name__)
 
@@ -194,6 +197,15 @@ class VllmEngine(Engine):
         return WorkerDelivery(self.llm, cfg)
 
 
+def shared_copy(weights: Weights) -> Path:
+    """``weights``' bits in a file under /dev/shm (memory, not disk; a temp folder where there is none)."""
+    folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    fd, name = tempfile.mkstemp(prefix=f"tether-v{weights.version}-", suffix=".bits", dir=folder)
+    with os.fdopen(fd, "wb") as f:
+        f.write(memoryview(weights.bits).cast("B"))
+    return Path(name)
+
+
 class WorkerDelivery(Delivery):
     """vLLM's side of a weight update: each stage forwarded to the worker extension in every worker."""
 
@@ -224,6 +236,20 @@ class WorkerDelivery(Delivery):
     async def load_snapshot(self, path: Path, *, version: int) -> Tally:
         sums = self.wcfg.verify_checksums
         result = self._merge(await self._rpc("tether_load_snapshot", str(path), sums, self.lora_scale))
+        await self._after_load()
+        return result
+
+    async def load_pulled(self, weights: Weights, *, on_kept: Callable[[], None]) -> Tally:
+        """A pulled version (store transport): its bits go to a shared-memory file the workers map (strings
+        cross ``collective_rpc``, never tensors or pickles); each worker reloads from it, then it is removed."""
+        sums = self.wcfg.verify_checksums
+        path = shared_copy(weights)
+        try:
+            layout = json.dumps([[e.name, list(e.shape), e.offset] for e in weights.entries])
+            results = await self._rpc("tether_load_pulled", str(path), layout, weights.dtype, sums, self.lora_scale)
+        finally:
+            path.unlink(missing_ok=True)
+        result = self._merge(results)
         await self._after_load()
         return result
 

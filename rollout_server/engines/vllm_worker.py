@@ -31,14 +31,18 @@ carries one rank per server, so collective transports support TP=1 and larger TP
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
 from tether.v1 import control_pb2
 from weight_sync.buckets import checksum
+from weight_sync.delta import bits_dtype, from_bits
 from weight_sync.inbox import Inbox, Incoming, Timeouts, snapshot
 from weight_sync.loading import Tally
 from weight_sync.lora import merged_checkpoint
@@ -67,6 +71,14 @@ class WeightSyncWorker:
 
     def tether_load_snapshot(self, path: str, sums: bool, lora_scale: float = 0.0) -> dict:
         return self._tether_load(snapshot(Path(path)), sums, lora_scale)
+
+    def tether_load_pulled(self, path: str, layout: str, dtype: str, sums: bool, lora_scale: float = 0.0) -> dict:
+        """A version the server pulled (store transport): ``path`` holds its bits in ``dtype``, ``layout``
+        (JSON ``[[name, shape, offset], ...]``) says where each tensor is; mapped read-only, copied by the
+        reload (copy-on-write mapping: nothing here writes it)."""
+        flat = from_bits(np.memmap(path, dtype=bits_dtype(dtype), mode="c"), dtype)
+        named = [(name, flat[at : at + math.prod(shape)].view(shape)) for name, shape, at in json.loads(layout)]
+        return self._tether_load(Incoming(named), sums, lora_scale)
 
     def tether_abort(self) -> bool:
         self._tether_inbox().cancel()

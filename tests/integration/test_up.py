@@ -66,7 +66,7 @@ def write_config(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["filesystem", "gloo"])
+@pytest.mark.parametrize("transport", ["filesystem", "gloo", "store"])
 def test_short_run_trains_acknowledges_and_cleans_up(tmp_path: Path, tiny_model_dir: Path, transport: str) -> None:
     run_id = f"up-{transport}"
     cfg = write_config(tmp_path, tiny_model_dir, run_id=run_id, transport=transport)
@@ -89,6 +89,12 @@ def test_short_run_trains_acknowledges_and_cleans_up(tmp_path: Path, tiny_model_
     assert all(r["staleness/max"] <= 1 for r in rows)  # max_staleness: 1
     if transport == "gloo":  # both servers were reached by the last update over the collective
         assert rows[-1]["weight_sync/reached"] == 2
+    if transport == "store":  # both servers pulled the last version (a delta, at most `fanout` from the learner)
+        assert rows[-1]["weight_sync/reached"] == 2 and rows[-1]["weight_sync/dropped"] == 0
+        assert rows[-1]["weight_sync/base"] == 0 and rows[-1]["weight_sync/delta_ratio"] < 1
+        pulled = [json.loads(line) for p in (run_dir / "logs").glob("*.log") for line in p.read_text().splitlines()
+                  if '"weights_pulled"' in line]  # fmt: skip
+        assert {p["version"] for p in pulled} >= set(range(STEPS))  # v0 (the starting base) .. the last
 
     # every group trained on was acknowledged, nothing was read and left unacknowledged
     stats = json.loads((run_dir / "buffer_stats.json").read_text())

@@ -149,6 +149,44 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
     result["after_fs"] = await greedy("after-fs")
     await server.stop(None)
 
+    # The store transport: the learner's weights published once (v3, a base), pulled by the puller into the
+    # workers through a shared-memory file; then one small step as a delta (v4). The fleet's two Redis
+    # records are a dict here (the rollout server keeps them in Redis: tests/integration/test_weight_store.py).
+    from weight_sync.puller import Member, Puller
+    from weight_sync.store_sender import StoreSender
+
+    class Fleet:
+        def __init__(self) -> None:
+            self.info, self.held = None, -1
+
+        async def announced(self) -> dict | None:
+            return self.info
+
+        async def members(self) -> list:
+            return [Member("vllm", self.held, "")]
+
+        async def record(self, version: int, peer: str) -> None:
+            self.held = version
+
+    store_cfg = cfg({"type": "store", "fanout": 0}, model={"dtype": "float32"})
+    fleet = Fleet()
+    store_sender = StoreSender(store_cfg, model=learner.model, announce=lambda info: setattr(fleet, "info", info))
+    puller = Puller(engine, store_cfg, delivery=WorkerDelivery(llm, store_cfg), fleet=fleet, server_id="vllm")
+    await asyncio.to_thread(store_sender.publish, 3)
+    await puller.pull(fleet.info)
+    result["store_base"] = {"version": engine.policy_version, "chain": list(puller.last.chain)}
+    result["after_store_base"] = await greedy("after-store-base")
+    with torch.no_grad():
+        learner.model.model.norm.weight.mul_(1.5)
+    await asyncio.to_thread(store_sender.publish, 4)
+    await puller.pull(fleet.info)
+    result["store_delta"] = {"version": engine.policy_version, "chain": list(puller.last.chain),
+                             "bytes": puller.last.bytes, "full": learner.model.num_parameters() * 4}  # fmt: skip
+    worker_sums = (await llm.collective_rpc("tether_checksums"))[0]
+    result["store_norm"] = [worker_sums["model.norm.weight"], float(learner.model.model.norm.weight.double().sum())]
+    puller.close()
+    store_sender.close()
+
     # LoRA: only the adapters travel; the worker reloads model.path's weights with them merged.
     from learner.lora import adapter_params, apply_lora
 
@@ -169,7 +207,7 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
     lora_sender = WeightSender(lora_cfg, model=adapted, params=params, servers=[address])
-    result["lora"] = await asyncio.to_thread(lora_sender.publish, 3)
+    result["lora"] = await asyncio.to_thread(lora_sender.publish, 5)
     result["lora_dropped"] = lora_sender.last_dropped
     result["after_lora"] = await greedy("after-lora")
     lora_sender.close()
@@ -199,6 +237,10 @@ def test_vllm_receiver_loads_in_place(tmp_path: Path, tiny_model_dir: Path) -> N
     assert r["after_gloo"] == r["hf_learner"]
     assert r["filesystem"]["weight_sync/reached"] == 1 and r["version_after_fs"] == 2
     assert r["after_fs"] == r["before"]  # the original weights are back: the same greedy output
+    assert r["store_base"] == {"version": 3, "chain": ["v3.base"]} and r["after_store_base"] == r["hf_learner"]
+    assert r["store_delta"]["version"] == 4 and r["store_delta"]["chain"] == ["v4.delta"]
+    assert r["store_delta"]["bytes"] < r["store_delta"]["full"] / 10  # only the norm changed: a small delta
+    assert abs(r["store_norm"][0] - r["store_norm"][1]) < 1e-6 * (1 + abs(r["store_norm"][1]))
     assert r["lora"]["weight_sync/reached"] == 1, r["lora_dropped"]
     assert r["lora"]["weight_sync/bytes"] == r["lora_adapter_bytes"]  # adapters only on the wire
     assert r["hf_lora"] != r["before"] and r["after_lora"] == r["hf_lora"]

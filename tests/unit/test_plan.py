@@ -19,7 +19,7 @@ from tether.config import ConfigError, load_config
 from tether.plan.calibrate import _busy_seconds, read_run
 from tether.plan.fleet import Fleet, Lengths
 from tether.plan.project import project
-from tether.plan.rates import DEFAULT_RATES, Rates, fleet_for, group_bytes, load_rates
+from tether.plan.rates import DEFAULT_RATES, Rates, fleet_for, group_bytes, load_rates, with_weight_flags
 from tether.plan.sim import Engine, simulate
 from tether.trajectory import GroupData, TrajectoryData
 
@@ -240,7 +240,9 @@ def test_fleet_for_turns_rates_and_a_split_into_a_fleet() -> None:
     big = load_config(None, ["--rollout.n", "4", "--learner.train_batch_size", "512"])
     assert fleet_for(big, rates, learner_gpus=4, rollout_gpus=1).slots_per_server == rates.rollout.max_num_seqs // 4
     assert f.learner_tokens_per_s == pytest.approx(4 * rates.learner.tokens_per_s_per_gpu * 0.85)
-    assert f.sync_s == pytest.approx(rates.weight_sync.latency_s + 2 * rates.model_params / 40e9)
+    push = fleet_for(cfg, with_weight_flags(rates, fanout=0, delta_ratio=1.0), learner_gpus=4, rollout_gpus=6)
+    assert push.sync_s == pytest.approx(rates.weight_sync.latency_s + 2 * rates.model_params / 40e9)
+    assert f.sync_s > push.sync_s  # the default pulls deltas: the codec on one core outweighs the 40 GB/s wire
     with pytest.raises(ConfigError, match="rollout-gpus"):
         fleet_for(cfg, load_rates(RATES_DIR / "h100-32b.yaml"), learner_gpus=4, rollout_gpus=1)
 

@@ -7,6 +7,7 @@
     tether status --config cfg.yaml --run.run_id r1  a live view of a running run
     tether config --config cfg.yaml [overrides]      print the resolved config
     tether plan --from-run runs/<id>                 simulate the fleet: replay a run, or project a split
+    tether relay --listen H:P --upstream H:P         a weight-store relay: chunks from the learner, kept in memory
     tether make-tiny-model DIR                       a tiny local model for tests and the demo
     tether make-tiny-model DIR --warm-start addition  ... then trained to be partly right at a task
 
@@ -80,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tether.plan.cli import add_parser as add_plan
 
     add_plan(sub)
+
+    from tether.commands.relay import add_parser as add_relay
+
+    add_relay(sub)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random model + byte-level tokenizer")
     tiny.add_argument("out_dir", metavar="DIR")
@@ -194,6 +199,12 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     return run_plan(args, overrides)
 
 
+def cmd_relay(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tether.commands.relay import cmd_relay as run_relay
+
+    return run_relay(args, overrides)
+
+
 def cmd_make_tiny_model(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise ConfigError(f"make-tiny-model: unexpected arguments {' '.join(overrides)}")
@@ -239,6 +250,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "status": cmd_status,
     "config": cmd_config,
     "plan": cmd_plan,
+    "relay": cmd_relay,
     "make-tiny-model": cmd_make_tiny_model,
 }
 

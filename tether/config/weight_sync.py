@@ -37,12 +37,43 @@ class FilesystemTransport(Section):
     """Snapshot folder; empty: ``{run}/snapshots``."""
 
 
-TransportConfig = Annotated[NcclTransport | GlooTransport | FilesystemTransport, Field(discriminator="type")]
+class StoreTransport(Section):
+    """Versions published once into a store (manifest + chunks, a delta against the version before, a full
+    base every ``weight_sync.base_every``), pulled by every server: from a peer that holds it (a tree of
+    fan-out ``fanout``), from ``relays``, or from the learner's own chunk service (the origin)."""
+
+    type: Literal["store"] = "store"
+    path: str = ""
+    """The store directory the learner writes; empty: ``{run}/weights``."""
+    host: str = "127.0.0.1"
+    """Address the learner's chunk service binds and announces (servers on other nodes fetch from it)."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """Port of the learner's chunk service; 0 picks a free one (announced in Redis)."""
+    peer_host: str = ""
+    """Address each server's own chunk service binds and announces to its peers; empty: the host part of
+    the server's gRPC address."""
+    fanout: int = Field(default=2, ge=0)
+    """Servers fetching straight from the origin (or relays); each of the others fetches from a peer
+    first (node r from node (r − fanout) // fanout), so the learner sends each version ``fanout`` times
+    however large the fleet. 0: every server fetches from the origin / relays (no peers)."""
+    relays: list[str] = Field(default_factory=list)
+    """``tether relay`` addresses (host:port), asked after the peer and before the origin."""
+    shared: bool = False
+    """Every server mounts ``path`` too (a shared filesystem): read it directly before any network source."""
+    chunk_timeout_s: float = Field(default=10.0, gt=0)
+    """Deadline for one chunk from one source before the next source is asked."""
+    poll_s: float = Field(default=0.02, gt=0)
+    """How often a server reads the announced version from Redis."""
+
+
+TransportConfig = Annotated[
+    NcclTransport | GlooTransport | FilesystemTransport | StoreTransport, Field(discriminator="type")
+]
 
 
 class WeightSyncConfig(Section):
     transport: TransportConfig = Field(default_factory=FilesystemTransport)
-    """``type: nccl | gloo | filesystem``."""
+    """``type: nccl | gloo | filesystem | store``."""
 
     sync_every: int = Field(default=1, gt=0)
     """Learner steps between weight publications (each publication is version + 1)."""
@@ -86,3 +117,18 @@ class WeightSyncConfig(Section):
     verify_checksums: bool = False
     """Receivers return a float64 sum per tensor of what they loaded in CommitWeightUpdateResponse, and the
     learner compares them with its own (costs one extra pass over the weights on both sides)."""
+
+    base_every: int = Field(default=10, gt=0)
+    """Store transport: a full base every N versions (a delta against the version before otherwise, and
+    beside each base); a server that is new or far behind fetches the newest base and the deltas after it."""
+
+    publish_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Store transport: the dtype versions are published (and deltas taken) in; ``auto``: the dtype the
+    rollout engines serve (``model.dtype``: bfloat16 on GPU, float32 on CPU). bfloat16 is what makes deltas
+    small: at lr 1e-6 a bf16 delta is about 1 % of the full bytes, a float32 one 40–50 %."""
+
+    chunk_mb: float = Field(default=4.0, gt=0)
+    """Store transport: size of one chunk of a version (the unit that is hashed, fetched and refetched)."""
+
+    keep_versions: int = Field(default=4, gt=0)
+    """Store transport: versions kept readable in the store (each with the base and deltas it needs)."""

@@ -6,8 +6,10 @@
     tether plan --config cfg.yaml --learner-gpus 8 --sweep docs/plan splits × max_staleness: a table and a PNG
 
 ``--rates FILE`` picks the rates (default ``configs/rates/h100-7b.yaml``); dotted overrides
-(``--algorithm.max_staleness 2``) change the config as everywhere else. ``--json FILE`` also writes the
-figures as JSON. Nothing here imports torch.
+(``--algorithm.max_staleness 2``) change the config as everywhere else. The weight path's flags
+(``--delta-ratio``, ``--fanout``, ``--base-every``, ``--encode-gb-per-s``, ``--decode-gb-per-s``,
+``--codec-cores``) replace the rates file's ``weight_sync`` fields of those names (:mod:`tether.plan.weights`).
+``--json FILE`` also writes the figures as JSON. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tether.config import ConfigError, load_config
 
 if TYPE_CHECKING:
     from tether.plan.project import Projection
+    from tether.plan.weights import SyncCost
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,7 +40,51 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ratios", default="0.25,0.5,1,2,3,4", help="rollout:learner GPU ratios of the sweep")
     p.add_argument("--staleness", default="0,1,2,4", help="max_staleness values of the sweep")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    w = p.add_argument_group("weight path (default: the rates file's weight_sync, else the values below)")
+    w.add_argument(
+        "--delta-ratio",
+        type=float,
+        metavar="R",
+        help="a version's delta bytes / its full bf16 bytes (default 0.0123, bench/weight_delta.py at "
+        "lr 1e-6; 0.0543 at 1e-5); 1.0: full weights every version",
+    )
+    w.add_argument(
+        "--fanout",
+        type=_fanout,
+        metavar="K",
+        help="servers pull from peers in a K-ary tree (the store transport); 0 or 'push' (default, as "
+        "the default transport): the learner pushes",
+    )
+    w.add_argument("--base-every", type=int, metavar="N", help="a full base every N versions (default 10)")
+    w.add_argument(
+        "--encode-gb-per-s",
+        type=float,
+        metavar="X",
+        help="delta encode, full bf16 GB/s per core (default 0.3, bench/weight_delta.py)",
+    )
+    w.add_argument(
+        "--decode-gb-per-s",
+        type=float,
+        metavar="X",
+        help="delta decode, full bf16 GB/s per core (default 1.0, bench/weight_delta.py)",
+    )
+    w.add_argument("--codec-cores", type=int, metavar="N", help="cores the encode and each decode use (default 1)")
     p.epilog = "Any further --section.key VALUE pairs override the config file."
+
+
+def _fanout(text: str) -> int:
+    if text.strip().lower() == "push":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 0, 'push' or a fan-out >= 2, got {text!r}") from None
+
+
+def _weight_flags(args: argparse.Namespace) -> dict:
+    from tether.plan.rates import WEIGHT_FLAGS
+
+    return {name: getattr(args, name) for name in WEIGHT_FLAGS if getattr(args, name) is not None}
 
 
 def _numbers(text: str, kind: type, flag: str) -> list:
@@ -59,6 +106,11 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.from_run:
         if args.config or overrides or args.learner_gpus or args.rollout_gpus or args.total_gpus or args.sweep:
             raise ConfigError("--from-run takes the run's own config; leave out --config, GPU counts and overrides")
+        if _weight_flags(args):
+            raise ConfigError(
+                f"--from-run replays the run's measured weight syncs; leave out "
+                f"{', '.join('--' + k.replace('_', '-') for k in _weight_flags(args))}"
+            )
         from tether.plan.calibrate import calibrate, report
 
         cal = calibrate(args.from_run)
@@ -79,10 +131,11 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
     cfg = load_config(args.config, overrides)
     from tether.plan.project import best_split, describe, project, sweep, sweep_plot, sweep_table
-    from tether.plan.rates import load_rates
+    from tether.plan.rates import load_rates, weight_path, with_weight_flags
 
-    rates = load_rates(args.rates)
+    rates = with_weight_flags(load_rates(args.rates), **_weight_flags(args))
     print(f"rates: {rates.setting} ({args.rates or 'configs/rates/h100-7b.yaml'}; sources in the file)")
+    print(f"weight path simulated: {weight_path(rates).label()} (today's: push, full)")
     if args.sweep:
         if not args.learner_gpus:
             raise ConfigError("--sweep needs --learner-gpus (the ratios multiply it)")
@@ -143,4 +196,11 @@ def _as_json(p: Projection) -> dict:
         "redis_saturated": p.redis_saturated,
         "redis_memory_mb": p.redis_memory_mb,
         "redis_bound_mb": p.redis_bound_mb,
+        "weight_sync": _cost_json(p.weight_sync),
+        "weight_sync_full_push": _cost_json(p.full_push),
+        "weight_sync_pull": _cost_json(p.pull),
     }
+
+
+def _cost_json(c: SyncCost) -> dict:
+    return {**asdict(c), "mode": c.mode, "codec_s": c.codec_s}

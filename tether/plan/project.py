@@ -4,7 +4,9 @@ Each projection simulates the config's protocol (:mod:`tether.plan.sim`) on the 
 gives (:func:`tether.plan.rates.fleet_for`) and adds what the simulation implies for Redis: trajectory
 bytes/s (payload, one pass) against one Redis's measured put → read → ack throughput, and the stream's
 memory at its fullest. Past that throughput one Redis is the bottleneck; the planner says so (sharding
-the trajectories stream is not built, see docs/PLANNER.md).
+the trajectories stream is not built, see docs/PLANNER.md). The weight-sync line sets the update the
+simulation charges (the rates' weight path, :mod:`tether.plan.weights`) beside today's full push of the same
+weights over the same link, so the difference the weight service makes at this fleet size is on the page.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from pathlib import Path
 
 from tether.config import TetherConfig
 from tether.plan.fleet import Fleet
-from tether.plan.rates import Rates, fleet_for, group_bytes
+from tether.plan.rates import Rates, fleet_for, full_bytes, group_bytes, weight_path
 from tether.plan.sim import SimResult, simulate_mean
+from tether.plan.weights import SyncCost, full_push, pull_of, sync_cost
 
 GROUPS_SIMULATED = 3000
 """Groups to simulate per projection after warm-up (at least 6 steps, at most 30): enough for a steady
@@ -40,6 +43,12 @@ class Projection:
     group_bytes: float
     redis_mb_per_s: float
     """One Redis's measured throughput (the rates file)."""
+    weight_sync: SyncCost
+    """The update the simulation charges (``fleet.sync_s``): the rates' weight path."""
+    full_push: SyncCost
+    pull: SyncCost
+    """The store transport's pull on the same link (the rates' own when they pull, else fan-out 2)."""
+    """Today's full push of the same weights over the same link, for comparison."""
 
     @property
     def trajectory_mb_per_s(self) -> float:
@@ -81,7 +90,17 @@ def project(
             n=fleet.n, prompt_tokens=fleet.prompt_tokens, completion_tokens=fleet.lengths.mean_tokens()
         ),
         redis_mb_per_s=rates.redis.mb_per_s,
+        **weight_costs(rates, servers=fleet.servers),
     )
+
+
+def weight_costs(rates: Rates, *, servers: int) -> dict[str, SyncCost]:
+    path, weights = weight_path(rates), full_bytes(rates)
+    return {
+        "weight_sync": sync_cost(path, full_bytes=weights, servers=servers),
+        "full_push": sync_cost(full_push(path), full_bytes=weights, servers=servers),
+        "pull": sync_cost(pull_of(path), full_bytes=weights, servers=servers),
+    }
 
 
 def best_split(
@@ -111,7 +130,8 @@ def describe(p: Projection) -> str:
         f"  throughput        {s.samples_per_s:,.1f} samples/s ({s.groups_per_s:,.2f} groups/s), "
         f"{step_s:.1f} s per learner step",
         f"  learner           busy {1 - s.learner_idle - s.sync_share:.0%}, waiting for data {s.learner_idle:.0%}, "
-        f"weight sync {s.sync_share:.0%} of the time ({f.sync_s:.2f} s per update)",
+        f"weight sync {s.sync_share:.0%} of the time ({f.sync_s:.2f} s per update, {p.weight_sync.mode})",
+        *describe_weight_sync(p.weight_sync, p.full_push, p.pull),
         f"  rollout           busy {s.rollout_busy:.0%} (generating)",
         f"  staleness         mean {s.staleness_mean:.2f}   {hist}   dropped stale {s.dropped_stale}",
         f"  redis             {p.trajectory_mb_per_s:,.1f} MB/s of trajectories ({p.group_bytes / 1e6:.2f} MB per "
@@ -124,6 +144,44 @@ def describe(p: Projection) -> str:
             "(buffer.compression, fewer bytes per token, a faster Redis host; sharding is not built)."
         )
     return "\n".join(lines)
+
+
+def _bytes(n: float) -> str:
+    if n >= 1e12:
+        return f"{n / 1e12:,.2f} TB"
+    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.0f} MB"
+
+
+def describe_weight_sync(used: SyncCost, today: SyncCost, pull: SyncCost) -> list[str]:
+    """Today's full push, then the pull (``*`` marks the one simulated)."""
+
+    def row(c: SyncCost, name: str) -> str:
+        mark = "*" if c.path.mode == used.path.mode else " "
+        hops = f"{c.hops} hop{'s' * (c.hops > 1)}"
+        parts = f"{c.latency_s:.2f} + {c.encode_s:.2f} + {c.transfer_s:.2f} ({hops}) + {c.decode_s:.2f}"
+        base = f"; a base (every {c.path.base_every}) {c.base_seconds:.2f} s" if c.path.is_delta else ""
+        return (
+            f"  {mark} {name:<30}{c.seconds:>8.2f} s{_bytes(c.origin_bytes):>11}{_bytes(c.wire_bytes):>11}   "
+            f"{parts}{base}"
+        )
+
+    lines = [
+        f"  {f'weight sync to {used.servers} servers':<34}per update origin out    on wire   "
+        "= latency + encode + transfer + decode, s",
+        row(today, "push, full (today)"),
+    ]
+    lines.append(row(pull, pull.path.label()))
+    factor = pull.break_even(today)
+    if factor is not None:
+        p = pull.path
+        cores = f"{p.codec_cores} core{'s' * (p.codec_cores > 1)}"
+        lines += [
+            f"    the pull is slower than the push here: its CPU codec ({pull.codec_s:.2f} s on {cores}) outweighs "
+            f"what it saves on a {p.link_gb_per_s:g} GB/s link;",
+            f"      it is faster on links below {p.link_gb_per_s / factor:.3g} GB/s, or with over "
+            f"{factor * p.codec_cores:.3g} codec cores (--codec-cores)",
+        ]
+    return lines
 
 
 def sweep(

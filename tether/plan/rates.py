@@ -5,8 +5,10 @@ rollout engines of ``tensor_parallel_size`` GPUs each decode ``tokens_per_s`` to
 ``seq_tokens_per_s`` per sequence), each taking the groups tether's ``prompt_workers`` default gives it
 (the step's prompts times ``max_staleness + 1`` over the servers, at most ``max_num_seqs // n``); the learner's
 tokens/s grows with its GPUs times ``scaling_efficiency``; a weight update moves the bf16 weights at
-``weight_sync.gb_per_s`` after a fixed handshake. Every field is an input the user can replace with a
-figure measured on their own hardware (``tether plan --from-run`` shows how to read them off a run).
+``weight_sync.gb_per_s`` after a fixed handshake — pushed from the learner, or pulled by the fleet as deltas
+(:mod:`tether.plan.weights`; the ``weight_sync`` fields past ``latency_s``, each also a ``tether plan`` flag).
+Every field is an input the user can replace with a figure measured on their own hardware
+(``tether plan --from-run`` shows how to read them off a run).
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import ValidationError
+from pydantic import ValidationError, field_validator
 
 from tether.config import ConfigError, TetherConfig
 from tether.config.base import Section
+from tether.plan import weights
 from tether.plan.fleet import Fleet, Lengths
+from tether.plan.weights import WeightPath, sync_cost
 from tether.resources import prompt_workers
 
 DEFAULT_RATES = Path(__file__).resolve().parents[2] / "configs" / "rates" / "h100-7b.yaml"
@@ -56,6 +60,25 @@ class SyncRates(Section):
     """Effective weight broadcast bandwidth, GB/s."""
     latency_s: float = 0.0
     """Fixed cost of one update (announce, pause, load, resume)."""
+    delta_ratio: float = weights.MEASURED_DELTA_RATIO
+    """A version's bytes as a delta ÷ its full bf16 bytes (bench/weight_delta.py, lr 1e-6); 1.0: full weights."""
+    fanout: int = 0
+    """0 (or ``push``, the default, as ``weight_sync.transport`` defaults to a push): the learner pushes to
+    every server; k >= 2: servers pull from peers in a k-ary tree (the ``store`` transport). The projection
+    prints the other one beside it either way."""
+    base_every: int = 10
+    """A full base every this many versions (its bytes amortised over them; it travels the same path)."""
+    encode_gb_per_s: float = weights.ENCODE_GB_PER_S
+    """Delta encode on the learner's host, full bf16 GB/s per core (bench/weight_delta.py, 2-core CPU)."""
+    decode_gb_per_s: float = weights.DECODE_GB_PER_S
+    """Delta decode on each server, full bf16 GB/s per core (bench/weight_delta.py, 2-core CPU)."""
+    codec_cores: int = 1
+    """Cores the encode and each decode use (today's store: one thread)."""
+
+    @field_validator("fanout", mode="before")
+    @classmethod
+    def _push_is_zero(cls, value: object) -> object:
+        return weights.PUSH if value == "push" else value
 
 
 class RedisRates(Section):
@@ -101,6 +124,47 @@ def load_rates(path: str | Path | None) -> Rates:
         raise ConfigError("\n".join(problems)) from None
 
 
+WEIGHT_FLAGS = ("delta_ratio", "fanout", "base_every", "encode_gb_per_s", "decode_gb_per_s", "codec_cores")
+"""``weight_sync`` fields ``tether plan`` takes as flags (``--delta-ratio`` ...)."""
+
+
+def with_weight_flags(rates: Rates, **values: float | int | str | None) -> Rates:
+    """``rates`` with the ``weight_sync`` fields given (not None) replaced, checked as a rates file's are."""
+    given = {k: v for k, v in values.items() if v is not None}
+    unknown = set(given) - set(WEIGHT_FLAGS)
+    if unknown:
+        raise ValueError(f"not weight-path flags: {sorted(unknown)}")
+    if not given:
+        return rates
+    data = rates.model_dump()
+    data["weight_sync"].update(given)
+    try:
+        out = Rates.model_validate(data)
+    except ValidationError as e:
+        flags = [f"--{'.'.join(map(str, err['loc'][1:])).replace('_', '-')}: {err['msg']}" for err in e.errors()]
+        raise ConfigError("\n".join(flags)) from None
+    weight_path(out)
+    return out
+
+
+def weight_path(rates: Rates) -> WeightPath:
+    """The weight path the rates describe (a bad value is a :class:`ConfigError` naming its key and flag)."""
+    ws = rates.weight_sync
+    try:
+        return WeightPath(
+            link_gb_per_s=ws.gb_per_s,
+            latency_s=ws.latency_s,
+            **{name: getattr(ws, name) for name in WEIGHT_FLAGS},
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def full_bytes(rates: Rates) -> float:
+    """The policy's bf16 weights."""
+    return 2 * rates.model_params
+
+
 def group_bytes(*, n: int, prompt_tokens: float, completion_tokens: float) -> float:
     """Payload bytes of one group in the trajectories stream (uncompressed)."""
     return n * (PROMPT_TOKEN_BYTES * prompt_tokens + COMPLETION_TOKEN_BYTES * completion_tokens + SAMPLE_OVERHEAD_BYTES)
@@ -134,7 +198,7 @@ def fleet_for(cfg: TetherConfig, rates: Rates, *, learner_gpus: int, rollout_gpu
         seq_tokens_per_s=rates.rollout.seq_tokens_per_s,
         learner_step_s=lr.step_overhead_s,
         learner_tokens_per_s=learner_tps,
-        sync_s=rates.weight_sync.latency_s + 2 * rates.model_params / (rates.weight_sync.gb_per_s * 1e9),
+        sync_s=sync_cost(weight_path(rates), full_bytes=full_bytes(rates), servers=servers).seconds,
         lengths=Lengths(mean=wl.completion_mean, cv=wl.completion_cv, max_tokens=cfg.rollout.max_tokens),
         prompt_tokens=wl.prompt_tokens,
         inflight=cfg.weight_sync.inflight,

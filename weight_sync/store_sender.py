@@ -1,0 +1,221 @@
+"""The learner's side of the ``store`` transport: each version published once; the fleet pulls it.
+
+    publish(v) on every rank:  gather full tensors (a collective when sharded) ─► rank 0 casts them into
+    the publication dtype (``Publisher.stage``: the only part that reads the model)
+    then, on a thread of rank 0 when in the background:
+      encode (a delta against v−1; a base every ``base_every``) ─► write chunks, then the manifest
+      ─► announce v (Redis: version + the origin's address) ─► wait until every live server holds v
+
+Rank 0 also runs the *origin*: a chunk service over the store directory (``chunk_service.serve``), which
+servers on other nodes fetch from — at most ``fanout`` of them; the others fetch from their peers
+(``weight_sync.puller``). Nothing here talks to a server: servers learn of v from the announcement and
+report the version they hold, which is all the learner waits on (at most ``transfer_timeout_s +
+commit_timeout_s``; a server that is late is reported dropped, as in a push, and keeps pulling).
+
+The interface is :class:`weight_sync.sender.WeightSender`'s (``publish`` / ``wait`` / ``close`` /
+``in_flight`` / ``last_dropped``), so the learner drives either the same way. Redis is the learner's: it
+passes ``announce(info)`` and ``fleet() -> {server: version held}`` in (weight sync never imports the
+buffer).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tether.config import TetherConfig
+from tether.logs import get_logger
+from weight_sync.sender import full_tensor
+from weight_sync.sources import DirSource
+from weight_sync.store import Publisher, VersionStore
+from weight_sync.versions import Weights
+
+log = get_logger(__name__)
+
+Announce = Callable[[dict], None]
+Fleet = Callable[[], dict[str, int]]
+
+
+def store_root(cfg: TetherConfig) -> Path:
+    """``weight_sync.transport.path`` when set, else ``{run}/weights``."""
+    transport = cfg.weight_sync.transport
+    if transport.type == "store" and transport.path:
+        return Path(transport.path)
+    from tether.runs import run_paths
+
+    return run_paths(cfg).root / "weights"
+
+
+def publication_dtype(cfg: TetherConfig, device: torch.device) -> str:
+    """``weight_sync.publish_dtype``; ``auto``: what the engines serve (``model.dtype``, whose ``auto`` is
+    bfloat16 on CUDA and float32 elsewhere — the learner's device stands for the fleet's)."""
+    name = cfg.weight_sync.publish_dtype
+    if name == "auto":
+        name = cfg.model.dtype
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" else "float32"
+    return name
+
+
+class StoreSender:
+    def __init__(
+        self,
+        cfg: TetherConfig,
+        *,
+        model: torch.nn.Module,
+        params: Sequence[tuple[str, torch.Tensor]] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        announce: Announce | None = None,
+        fleet: Fleet | None = None,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.cfg, self.wcfg = cfg, cfg.weight_sync
+        self.rank, self.world_size = rank, world_size
+        self.process_group = process_group
+        self._params = list(params) if params is not None else list(model.named_parameters())
+        self.announce, self.fleet = announce, fleet
+        self.last_dropped: dict[str, str] = {}
+        self._background: tuple[int, concurrent.futures.Future] | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-publish")
+        self.origin = None
+        if rank == 0:
+            device = self._params[0][1].device if self._params else torch.device("cpu")
+            self.root = store_root(cfg)
+            self.store = VersionStore(self.root)
+            self.publisher = Publisher(
+                self.store,
+                dtype=publication_dtype(cfg, device),
+                base_every=self.wcfg.base_every,
+                chunk_bytes=max(1, int(self.wcfg.chunk_mb * 2**20)),
+                keep=self.wcfg.keep_versions,
+            )
+            from tether.auth import auth_token
+            from weight_sync.chunk_service import serve
+
+            transport = self.wcfg.transport
+            token = auth_token(cfg.rollout.auth_token) or None
+            self.origin = serve(DirSource(self.root), host=transport.host, port=transport.port, token=token)
+            log.info("weight_origin_serving", address=self.origin.address, store=str(self.root))
+
+    @property
+    def in_flight(self) -> int | None:
+        return self._background[0] if self._background is not None else None
+
+    def publish(
+        self,
+        version: int,
+        *,
+        snapshot: bool = False,
+        background: bool = False,
+        on_done: Callable[[dict[str, float]], None] | None = None,
+    ) -> dict[str, float]:
+        """Publish the model's weights as ``version`` (call on every rank); see the module docstring.
+
+        ``snapshot`` (a resumed learner's first publication): versions after ``version`` are removed from
+        the store (their timeline is gone) and ``version`` is written as a base."""
+        if self._background is not None:
+            raise RuntimeError(f"weight_sync: publication of version {self._background[0]} is still in flight")
+        start = time.perf_counter()
+        staged = self._stage(version)
+        if self.rank != 0:
+            return {}
+        assert staged is not None
+        if snapshot:
+            self.store.truncate(after=version - 1)
+            self.publisher.prev = None
+        if background:
+            future = self._executor.submit(self._deliver, staged, start, on_done)
+            self._background = (version, future)
+            return {}
+        return self._deliver(staged, start, None)
+
+    def wait(self) -> dict[str, float]:
+        if self._background is None:
+            return {}
+        _, future = self._background
+        try:
+            return future.result()
+        finally:
+            self._background = None
+
+    @torch.no_grad()
+    def _stage(self, version: int) -> Weights | None:
+        """Every rank gathers parameter by parameter; rank 0 casts each into the publication buffer."""
+
+        def gathered():
+            for name, param in self._params:
+                full = full_tensor(param).detach()  # a collective on all ranks when the parameter is sharded
+                yield name, full
+
+        if self.rank != 0:
+            for _ in gathered():
+                pass
+            return None
+        weights = self.publisher.stage(version, gathered())
+        if any(p.device.type == "cuda" for _, p in self._params[:1]):
+            torch.cuda.current_stream().synchronize()
+        return weights
+
+    def _deliver(
+        self, weights: Weights, start: float, on_done: Callable[[dict[str, float]], None] | None
+    ) -> dict[str, float]:
+        version = weights.version
+        stage_s = time.perf_counter() - start
+        published = self.publisher.commit(weights)
+        if self.announce is not None:
+            self.announce({"version": version, "origin": self.origin.address if self.origin else "",
+                           "dtype": weights.dtype, "time": time.time()})  # fmt: skip
+        publish_s = time.perf_counter() - start
+        reached, dropped, servers = self._await_fleet(version)
+        seconds = time.perf_counter() - start
+        self.last_dropped = dropped
+        delta = published.delta_bytes
+        metrics = {
+            "weight_sync/version": float(version),
+            "weight_sync/bytes": float(delta if delta is not None else published.manifests["base"].stored_bytes),
+            "weight_sync/full_bytes": float(published.full_bytes),
+            "weight_sync/delta_ratio": (delta / published.full_bytes) if delta is not None else 1.0,
+            "weight_sync/seconds": seconds,
+            "weight_sync/stage_seconds": stage_s,
+            "weight_sync/encode_seconds": published.encode_seconds,
+            "weight_sync/write_seconds": published.write_seconds,
+            "weight_sync/publish_seconds": publish_s,
+            "weight_sync/pull_seconds": seconds - publish_s,
+            "weight_sync/reached": float(reached),
+            "weight_sync/dropped": float(len(dropped)),
+            "weight_sync/base": float("base" in published.kinds),
+            "weight_sync/background": float(self._background is not None),
+        }
+        if self.origin is not None:
+            metrics["weight_sync/origin_bytes_out"] = float(self.origin.bytes_out())
+        log.info("weights_published", version=version, servers=servers, reached=reached, dropped=sorted(dropped),
+                 kinds=published.kinds, bytes=int(metrics["weight_sync/bytes"]), seconds=round(seconds, 3))  # fmt: skip
+        if on_done is not None:
+            on_done(metrics)
+        return metrics
+
+    def _await_fleet(self, version: int) -> tuple[int, dict[str, str], int]:
+        """Wait until every live server holds ``version`` (or its deadline); (reached, dropped, servers)."""
+        if self.fleet is None:
+            return 0, {}, 0
+        deadline = time.monotonic() + self.wcfg.transfer_timeout_s + self.wcfg.commit_timeout_s
+        held = self.fleet()
+        while held and min(held.values()) < version and time.monotonic() < deadline:
+            time.sleep(0.005)
+            held = self.fleet()
+        dropped = {s: f"holds v{v} at the deadline" for s, v in held.items() if v < version}
+        return len(held) - len(dropped), dropped, len(held)
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+            if self.origin is not None:
+                self.origin.stop(0)
