@@ -2,6 +2,7 @@
 
     python bench/weight_delta.py [--quick] [--steps N] [--repeats R] [--lrs 1e-6,1e-5] [--out DIR]
     python bench/weight_delta.py --qwen05b [--qwen-steps 2]     # also a Qwen2.5-0.5B-shaped model (slow on CPU)
+    python bench/weight_delta.py --speed-only [--speed-elements 100000000] [--threads T]   # codec speed only
 
 tether's own :class:`learner.trainer.Trainer` (FSDP2, one gloo rank, AdamW at the configured lr, synthetic
 groups from :mod:`learner.synthetic`) trains the 256-wide 4-layer tiny model for N steps; after every step
@@ -16,8 +17,17 @@ sends. Per step, in one process, the two sides alternate which goes first (:func
 * decode: verify every hash and rebuild from the held version (delta) against verify + copy (base); every
   decoded delta is checked bit for bit against what was published. Both decode into a buffer they reuse
   (a receiver's second set; a fresh one costs a page fault per page). Encode and decode run on one core
-  (``torch.set_num_threads(1)`` around them; numpy and zstd are single-threaded here anyway); throughput
-  is the model's full bf16 bytes over the seconds taken.
+  (``torch.set_num_threads(1)`` around them, ``threads=1`` for the chunks); throughput is the model's full
+  bf16 bytes over the seconds taken.
+
+Codec speed (:func:`run_speed`, first): one flat bf16 buffer of ``--speed-elements`` (default 100M, a
+100M-parameter model's 200 MB) trained by torch's AdamW at ``--speed-lr`` (default 1e-6) on random
+gradients; each repeat takes one more step and times ``encode_version`` (cast excluded) and
+``decode_version`` (into a reused buffer, checked bit for bit) of that step's delta with ``threads=1`` and
+with the default pool (``min(4, cpus)``, or ``--threads``), in alternating order, in the same run.
+Throughput is the full bf16 bytes over the seconds taken (median, min–max over the repeats); a modelled
+line adds the delta's bytes at 1 Gbit/s and compares with sending the full bytes at 1 Gbit/s (the link is
+not measured).
 
 A repeat is one seed (batches and init of the run); its figure is the mean over its steps (bytes) or
 its steps' median (time ratios); the printed figure is the median over ≥ 3 repeats with the min–max.
@@ -69,6 +79,89 @@ def hash_speeds(size: int = 8 * 2**20, rounds: int = 5) -> dict[str, float]:
             took.append(time.perf_counter() - t0)
         out[name] = size / statistics.median(took) / MB
     return out
+
+
+def run_speed(*, elements: int, lr: float, repeats: int, chunk_bytes: int, threads: int) -> dict:
+    """Encode / decode throughput of a delta on ``elements`` bf16 weights after real AdamW steps, per pool size."""
+    import numpy as np
+    import torch
+
+    from weight_sync.delta import Codec
+    from weight_sync.versions import decode_version, encode_version, flatten
+
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(elements) * 0.02)
+    opt = torch.optim.AdamW([weight], lr=lr, fused=True)
+
+    def step() -> None:
+        weight.grad = torch.randn(elements)
+        opt.step()
+
+    for _ in range(2):  # past Adam's first steps, whose update is lr * sign(grad) for every element
+        step()
+    named = [("weight", weight.detach())]
+    prev, cur = flatten(named, version=0, dtype="bfloat16"), None
+    into = flatten(named, version=0, dtype="bfloat16")  # a receiver's second set, touched once
+    sides = [1] if threads == 1 else [1, threads]
+    took: dict[int, dict[str, list[float]]] = {t: {"encode": [], "decode": []} for t in sides}
+    ratios, changed = [], []
+    codec = Codec()
+    for rep in range(repeats):
+        step()
+        cur = flatten(named, version=prev.version + 1, dtype="bfloat16", reuse=cur)
+        changed.append(float(np.count_nonzero(cur.bits != prev.bits) / cur.bits.size))
+        manifests = {}
+        for t in ordered(sides, rep):
+            t0 = time.perf_counter()
+            m, payloads = encode_version(cur, prev, chunk_bytes=chunk_bytes, codec=codec, threads=t)
+            took[t]["encode"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            got = decode_version(m, _reader(m, payloads), prev, codec=codec, reuse=into, threads=t)
+            took[t]["decode"].append(time.perf_counter() - t0)
+            if not np.array_equal(got.bits, cur.bits):
+                raise SystemExit(
+                    f"speed run, repeat {rep}, threads {t}: the decoded version differs from the published bits"
+                )
+            manifests[t] = m
+        if len({tuple(m.chunks) for m in manifests.values()}) != 1:
+            raise SystemExit(f"speed run, repeat {rep}: the manifest differs between thread counts {sides}")
+        ratios.append(m.stored_bytes / cur.bits.nbytes)
+        prev, cur = cur, prev
+    full = prev.bits.nbytes
+    mbps = {str(t): {k: [full / x / MB for x in v] for k, v in d.items()} for t, d in took.items()}
+    return {"elements": elements, "lr": lr, "full_bf16_bytes": full, "repeats": repeats, "threads": sides,
+            "changed_bf16": changed, "delta_vs_full_bf16": ratios, "seconds": {str(t): v for t, v in took.items()},
+            "MBps": mbps}  # fmt: skip
+
+
+def print_speed(speed: dict, *, quick: bool) -> None:
+    """The speed run's table, the thread speed-up figures and the modelled update against a 1 Gbit/s push."""
+    full, n = speed["full_bf16_bytes"], speed["elements"]
+    print(f"\ncodec speed: {n / 1e6:.0f}M bf16 elements ({full / MB:.0f} MB), AdamW lr {speed['lr']:g}, changed "
+          f"{_cell(speed['changed_bf16'], '.2%')}, delta / full bf16 {_cell(speed['delta_vs_full_bf16'], '.4f')}; "
+          f"MB/s of full bf16 bytes, median (min–max) over {speed['repeats']} repeats")  # fmt: skip
+    print("| threads | encode MB/s | decode MB/s | encode + decode s |")
+    print("| --- | --- | --- | --- |")
+    for t in speed["threads"]:
+        mbps, secs = speed["MBps"][str(t)], speed["seconds"][str(t)]
+        both = [e + d for e, d in zip(secs["encode"], secs["decode"], strict=True)]
+        print(f"| {t} | {_cell(mbps['encode'], '.0f')} | {_cell(mbps['decode'], '.0f')} | {_cell(both, '.3f')} |")
+    link = 1e9 / 8  # bytes/s of a 1 Gbit/s link
+    t = speed["threads"][-1]
+    secs = speed["seconds"][str(t)]
+    model = [(e + r * full / link + d) / (full / link)
+             for e, d, r in zip(secs["encode"], secs["decode"], speed["delta_vs_full_bf16"], strict=True)]  # fmt: skip
+    print(f"modelled (link not measured): encode + delta bytes at 1 Gbit/s + decode, threads {t}, is "
+          f"{_cell(model, '.3f')} of sending the full bf16 bytes at 1 Gbit/s ({full / link:.2f} s)")  # fmt: skip
+    if len(speed["threads"]) > 1:
+        one = speed["seconds"]["1"]
+        for key in ("encode", "decode"):
+            gains = [a / b for a, b in zip(one[key], secs[key], strict=True)]
+            fig = figure(f"weight_delta/{key}_threads{t}_speedup", gains, goal=None, direction="min",
+                         baseline=f"the same {key} with threads=1, same run; {n / 1e6:.0f}M bf16 elements, "
+                         f"AdamW lr {speed['lr']:g}, {os.cpu_count()} cpus")  # fmt: skip
+            report(fig, quick=quick)
+            speed.setdefault("figures", []).append({**fig.__dict__, "spread": list(fig.spread)})
 
 
 def _named_full(model):  # type: ignore[no-untyped-def]
@@ -131,17 +224,17 @@ def run_repeat(*, model_dir: str, lr: float, seed: int, steps: int, chunk_bytes:
                 t0 = time.perf_counter()
                 if side == "delta":
                     cur = flatten(named, version=step, dtype="bfloat16", reuse=spare)
-                    m_d, p_d = encode_version(cur, prev, chunk_bytes=chunk_bytes, codec=codec)
+                    m_d, p_d = encode_version(cur, prev, chunk_bytes=chunk_bytes, codec=codec, threads=1)
                 else:
                     full_buf = flatten(named, version=step, dtype="bfloat16", reuse=full_buf)
-                    m_b, p_b = encode_version(full_buf, None, chunk_bytes=chunk_bytes, codec=codec)
+                    m_b, p_b = encode_version(full_buf, None, chunk_bytes=chunk_bytes, codec=codec, threads=1)
                 took["encode" if side == "delta" else "full_encode"] = time.perf_counter() - t0
             for side in ordered(["delta", "full"], step + 1):
                 t0 = time.perf_counter()
                 if side == "delta":
-                    got = decode_version(m_d, _reader(m_d, p_d), prev, codec=codec, reuse=into[side])
+                    got = decode_version(m_d, _reader(m_d, p_d), prev, codec=codec, reuse=into[side], threads=1)
                 else:
-                    got = decode_version(m_b, _reader(m_b, p_b), None, codec=codec, reuse=into[side])
+                    got = decode_version(m_b, _reader(m_b, p_b), None, codec=codec, reuse=into[side], threads=1)
                 took["decode" if side == "delta" else "full_decode"] = time.perf_counter() - t0
                 if not np.array_equal(got.bits, cur.bits):
                     raise SystemExit(f"step {step}: the decoded {side} version differs from the published bits")
@@ -258,7 +351,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("runs/bench/weight_delta"), help="folder for results.json")
     p.add_argument("--qwen05b", action="store_true", help="also a Qwen2.5-0.5B-shaped model (slow on CPU)")
     p.add_argument("--qwen-steps", type=int, default=2, help="learner steps for --qwen05b (one repeat per lr)")
-    p.add_argument("--skip-tiny", action="store_true", help="only the --qwen05b part")
+    p.add_argument("--skip-tiny", action="store_true", help="only the --qwen05b part (and the codec speed run)")
+    p.add_argument(
+        "--speed-elements",
+        type=int,
+        default=None,
+        help="bf16 elements of the codec speed run (default 100M, quick 4M; 0 skips it)",
+    )
+    p.add_argument("--speed-lr", type=float, default=1e-6, help="AdamW lr of the codec speed run")
+    p.add_argument("--threads", type=int, default=None, help="the pool size compared with 1 (default min(4, cpus))")
+    p.add_argument("--speed-only", action="store_true", help="only the codec speed run")
     args = p.parse_args(argv)
     if args.repeats < 3:
         p.error("--repeats must be at least 3 (a figure is a median with its spread)")
@@ -268,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tether.redis_server import free_port
     from tether.tiny_model import make_tiny_model
-    from weight_sync.versions import DEFAULT_CHUNK_BYTES
+    from weight_sync.versions import DEFAULT_CHUNK_BYTES, default_threads
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     steps = args.steps or (2 if args.quick else 20)
@@ -285,13 +387,24 @@ def main(argv: list[str] | None = None) -> int:
                                 "model": f"tiny hidden {hidden}, {layers} layers, {heads} heads"},
                      "host": f"{platform.node()} ({os.cpu_count()} cpus)", "load_average_start": load,
                      "hash_MBps": speeds, "runs": {}, "figures": []}  # fmt: skip
+    speed_elements = (
+        args.speed_elements if args.speed_elements is not None else 4_000_000 if args.quick else 100_000_000
+    )
     try:
+        if speed_elements:
+            t0 = time.perf_counter()
+            threads = args.threads or default_threads()
+            results["speed"] = run_speed(elements=speed_elements, lr=args.speed_lr, repeats=args.repeats,
+                                         chunk_bytes=chunk_bytes, threads=threads)  # fmt: skip
+            print_speed(results["speed"], quick=args.quick)
+            print(f"(codec speed run: {time.perf_counter() - t0:.0f} s with the AdamW steps, load average "
+                  f"{os.getloadavg()[0]:.2f} at its end)", flush=True)  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
-            if not args.skip_tiny:
+            if not args.skip_tiny and not args.speed_only:
                 model_dir = str(make_tiny_model(tmp, hidden=hidden, layers=layers, heads=heads))
                 run_tiny(args, results, model_dir=model_dir, lrs=lrs, steps=steps, chunk_bytes=chunk_bytes,
                          shape=(hidden, layers, heads))  # fmt: skip
-            if args.qwen05b:
+            if args.qwen05b and not args.speed_only:
                 results["qwen05b"] = run_qwen(lrs, args.qwen_steps, chunk_bytes, args.base_every, tmp)
     finally:
         dist.destroy_process_group()

@@ -8,12 +8,22 @@ nothing: every chunk's stored bytes are hashed before they are decoded, every de
 against what the learner published, a delta is refused unless the reader holds exactly the version it
 is against with the same layout, and nothing is returned unless every chunk passed. Disk and network
 are :mod:`weight_sync.store`'s; these functions take a callable that reads one chunk.
+
+Both work chunk by chunk on a small pool of threads (``threads``, default ``min(4, cpus)``): zstd, xxh3
+and numpy's ufuncs release the GIL, and chunks are independent. Each worker has its own
+:class:`~weight_sync.delta.Codec` (zstd contexts and scratch arrays), the result is in chunk order
+whatever the threads, and ``threads=1`` runs everything on the calling thread with the caller's codec.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +33,7 @@ from weight_sync.delta import ENCODINGS, Codec, Encoding, bits_dtype, decode_chu
 from weight_sync.manifest import ChunkEntry, Manifest, TensorEntry, WeightVersionError, content_hash
 
 DEFAULT_CHUNK_BYTES = 4 * 2**20
+MAX_DEFAULT_THREADS = 4
 Named = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 """Named full tensors, in the order they are laid out."""
 
@@ -87,6 +98,45 @@ def flatten(
     return Weights(version=version, dtype=dtype, entries=tuple(entries), bits=bits)
 
 
+def default_threads() -> int:
+    """The pool size when ``threads`` is ``None``: ``min(4, os.cpu_count())``."""
+    return max(1, min(MAX_DEFAULT_THREADS, os.cpu_count() or 1))
+
+
+class _Workers:
+    """Run one function per chunk on the calling thread (``threads`` 1) or a pool, each with its own codec."""
+
+    def __init__(self, threads: int | None, chunks: int, codec: Codec) -> None:
+        threads = default_threads() if threads is None else threads
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an integer >= 1 (or None for min(4, cpus)), not {threads!r}")
+        self.threads = max(1, min(threads, chunks))
+        self._codec, self._level = codec, codec.level
+        self._local = threading.local()
+        self.pool: ThreadPoolExecutor | None = None
+
+    def codec(self) -> Codec:
+        """The codec of the thread that asks: the caller's when not pooled, else one per worker thread."""
+        if self.pool is None:
+            return self._codec
+        codec = getattr(self._local, "codec", None)
+        if codec is None:
+            codec = self._local.codec = Codec(self._level)
+        return codec
+
+    @contextmanager
+    def running(self) -> Iterator[_Workers]:
+        if self.threads == 1:
+            yield self
+            return
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="weight-chunks")
+        try:
+            yield self
+        finally:  # on an error too: wait for the workers (they write into the caller's buffer), start no more
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+
 def encode_version(
     weights: Weights,
     prev: Weights | None,
@@ -94,11 +144,13 @@ def encode_version(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     codec: Codec | None = None,
     allow: tuple[Encoding, ...] = ENCODINGS,
+    threads: int | None = None,
 ) -> tuple[Manifest, dict[str, bytes | memoryview]]:
     """The manifest of ``weights`` and its chunks' stored bytes by hash.
 
     ``prev`` ``None``: a base (every chunk ``full``). Otherwise a delta against ``prev``, which must be the
-    version right before with the same layout; each chunk takes the smallest of ``allow``."""
+    version right before with the same layout; each chunk takes the smallest of ``allow``. ``threads``:
+    chunks encoded at once (``None``: ``min(4, cpus)``); the manifest is the same for any number."""
     codec = codec or Codec()
     if prev is not None:
         if prev.version != weights.version - 1:
@@ -107,15 +159,21 @@ def encode_version(
         if prev.layout() != weights.layout():
             raise ValueError(f"v{weights.version}: the layout changed since v{prev.version}; publish a base")
     step = max(1, chunk_bytes // weights.bits.dtype.itemsize)
-    chunks, payloads = [], {}
-    for start in range(0, weights.bits.size, step):
+    starts = range(0, weights.bits.size, step)
+    workers = _Workers(threads, len(starts), codec)
+
+    def one(start: int) -> tuple[ChunkEntry, bytes | memoryview]:
         new = weights.bits[start : start + step]
         old = None if prev is None else prev.bits[start : start + step]
-        encoding, payload = encode_chunk(new, old, codec, allow=allow)
+        encoding, payload = encode_chunk(new, old, workers.codec(), allow=allow)
         h = content_hash(payload)
         raw = h if encoding == "full" else content_hash(new)
-        chunks.append(ChunkEntry(start, new.size, encoding, len(payload), h, raw))
-        payloads[h] = payload
+        return ChunkEntry(start, new.size, encoding, len(payload), h, raw), payload
+
+    with workers.running():
+        done = list(map(one, starts) if workers.pool is None else workers.pool.map(one, starts))  # in order
+    chunks = [entry for entry, _ in done]
+    payloads = {entry.hash: payload for entry, payload in done}
     manifest = Manifest(version=weights.version, base_version=None if prev is None else prev.version,
                         dtype=weights.dtype, chunk_bytes=chunk_bytes, tensors=weights.entries,
                         chunks=tuple(chunks), created=time.time())  # fmt: skip
@@ -144,6 +202,7 @@ def decode_version(
     codec: Codec | None = None,
     in_place: bool = False,
     reuse: Weights | None = None,
+    threads: int | None = None,
 ) -> Weights:
     """Rebuild ``manifest``'s version. ``read_chunk(k)`` returns chunk k's stored bytes, already hash-checked
     (the store re-reads a bad chunk); they are checked again here, so no caller can skip it.
@@ -153,7 +212,12 @@ def decode_version(
     uses: a chain's intermediate). ``reuse``: weights the caller no longer needs, whose buffer receives the
     result when the size fits (a receiver's second set: a fresh model-sized buffer costs a page fault per
     page on first touch, measured at several times the decode itself). On any error nothing is returned,
-    and ``held`` is untouched unless ``in_place`` (``reuse``'s buffer may be half written)."""
+    and ``held`` is untouched unless ``in_place`` (``reuse``'s buffer may be half written).
+
+    ``threads``: chunks verified and decoded at once (``None``: ``min(4, cpus)``). ``read_chunk`` is still
+    called on the calling thread, in chunk order, at most ``2 * threads`` chunks ahead of the decoding; the
+    error raised is the one of the first bad chunk in order, as with one thread, and no worker is still
+    writing when this returns or raises."""
     codec = codec or Codec()
     dtype = bits_dtype(manifest.dtype)
     if manifest.base_version is not None:
@@ -171,16 +235,16 @@ def decode_version(
         out = reuse.bits
     if out is None:
         out = np.empty(manifest.num_elements, dtype=dtype)
-    fetched = 0
-    for k, c in enumerate(manifest.chunks):
-        payload = read_chunk(k)
+    workers = _Workers(threads, len(manifest.chunks), codec)
+
+    def one(k: int, payload: bytes | memoryview) -> None:
+        c = manifest.chunks[k]
         if content_hash(payload) != c.hash:
             raise ChunkCorrupt(f"{describe(manifest, k)}: the stored bytes do not match their hash")
-        fetched += len(payload)
         old = None if manifest.base_version is None else held.bits[c.start : c.start + c.count]
         dest = out[c.start : c.start + c.count]
         try:
-            decode_chunk(c.encoding, payload, old, count=c.count, dtype=dtype, codec=codec, out=dest)
+            decode_chunk(c.encoding, payload, old, count=c.count, dtype=dtype, codec=workers.codec(), out=dest)
         except ValueError as e:  # a frame that passed its hash but does not decode: written wrongly
             raise ChunkCorrupt(f"{describe(manifest, k)}: {e}") from None
         if content_hash(dest) != c.raw_hash:
@@ -191,5 +255,25 @@ def decode_version(
                 f"published ones: the held weights are not the published v{manifest.base_version}; fetch a base"
             )
             raise ChunkCorrupt(f"{describe(manifest, k)}: {why}")  # fmt: skip
+
+    fetched = 0
+    with workers.running():
+        pending: deque[Future[None]] = deque()  # in chunk order
+        for k in range(len(manifest.chunks)):
+            try:
+                payload = read_chunk(k)
+            except BaseException:
+                for f in pending:  # a bad chunk before this one is the error to report, as with one thread
+                    f.result()
+                raise
+            fetched += len(payload)
+            if workers.pool is None:
+                one(k, payload)
+                continue
+            pending.append(workers.pool.submit(one, k, payload))
+            while len(pending) > 2 * workers.threads or (pending and pending[0].done()):
+                pending.popleft().result()  # the oldest first: its error comes before any later chunk's
+        while pending:
+            pending.popleft().result()
     return Weights(version=manifest.version, dtype=manifest.dtype, entries=manifest.tensors, bits=out,
                    fetched_bytes=fetched)  # fmt: skip

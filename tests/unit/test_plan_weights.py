@@ -17,6 +17,8 @@ from tether.commands.cli import main
 from tether.config import ConfigError, load_config
 from tether.plan.rates import DEFAULT_RATES, Rates, fleet_for, load_rates, weight_path, with_weight_flags
 from tether.plan.weights import (
+    DECODE_GB_PER_S,
+    ENCODE_GB_PER_S,
     MEASURED_DELTA_RATIO,
     WeightPath,
     full_push,
@@ -85,7 +87,7 @@ def test_pull_time_is_latency_encode_hops_decode() -> None:
     """The defaults at 64 servers, by hand: 6 hops of 2 copies of the delta, the codec at its measured rates."""
     path = WeightPath(link_gb_per_s=LINK, latency_s=0.5, fanout=2)
     c = sync_cost(path, full_bytes=FULL, servers=64)
-    encode, decode = FULL / 0.3e9, FULL / 1e9
+    encode, decode = FULL / (ENCODE_GB_PER_S * 1e9), FULL / (DECODE_GB_PER_S * 1e9)
     wire = 6 * 2 * 0.0123 * FULL / 40e9
     assert (c.encode_s, c.decode_s) == (pytest.approx(encode), pytest.approx(decode))
     assert c.seconds == pytest.approx(0.5 + encode + wire + decode)
@@ -151,7 +153,10 @@ def test_bad_weight_path_values_are_refused_by_name(flags: dict, match: str) -> 
 
 def test_rates_files_carry_the_weight_path_and_check_it(tmp_path: Path) -> None:
     data = yaml.safe_load(DEFAULT_RATES.read_text())
-    assert weight_path(Rates.model_validate(data)) == WeightPath(link_gb_per_s=40, latency_s=0.5)  # the defaults
+    defaults = WeightPath(link_gb_per_s=40, latency_s=0.5, delta_ratio=1.0)  # a push of full weights
+    assert weight_path(Rates.model_validate(data)) == defaults
+    pulled = weight_path(with_weight_flags(Rates.model_validate(data), fanout=2))
+    assert (pulled.mode, pulled.delta_ratio) == ("pull", MEASURED_DELTA_RATIO)  # a pull: the measured ratio
     data["weight_sync"].update({"fanout": "push", "delta_ratio": 0.0543, "base_every": 50})
     path = weight_path(Rates.model_validate(data))
     assert (path.mode, path.delta_ratio, path.base_every) == ("push", 0.0543, 50)

@@ -60,13 +60,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--encode-gb-per-s",
         type=float,
         metavar="X",
-        help="delta encode, full bf16 GB/s per core (default 0.3, bench/weight_delta.py)",
+        help="delta encode, full bf16 GB/s per core (default 1.0, bench/weight_delta.py)",
     )
     w.add_argument(
         "--decode-gb-per-s",
         type=float,
         metavar="X",
-        help="delta decode, full bf16 GB/s per core (default 1.0, bench/weight_delta.py)",
+        help="delta decode, full bf16 GB/s per core (default 3.0, bench/weight_delta.py)",
     )
     w.add_argument("--codec-cores", type=int, metavar="N", help="cores the encode and each decode use (default 1)")
     p.epilog = "Any further --section.key VALUE pairs override the config file."

@@ -60,8 +60,9 @@ class SyncRates(Section):
     """Effective weight broadcast bandwidth, GB/s."""
     latency_s: float = 0.0
     """Fixed cost of one update (announce, pause, load, resume)."""
-    delta_ratio: float = weights.MEASURED_DELTA_RATIO
-    """A version's bytes as a delta ÷ its full bf16 bytes (bench/weight_delta.py, lr 1e-6); 1.0: full weights."""
+    delta_ratio: float | None = None
+    """A version's bytes as a delta ÷ its full bf16 bytes; unset: 1.0 (full weights) for a push, the measured
+    ``MEASURED_DELTA_RATIO`` (bench/weight_delta.py, lr 1e-6) for a pull."""
     fanout: int = 0
     """0 (or ``push``, the default, as ``weight_sync.transport`` defaults to a push): the learner pushes to
     every server; k >= 2: servers pull from peers in a k-ary tree (the ``store`` transport). The projection
@@ -73,7 +74,8 @@ class SyncRates(Section):
     decode_gb_per_s: float = weights.DECODE_GB_PER_S
     """Delta decode on each server, full bf16 GB/s per core (bench/weight_delta.py, 2-core CPU)."""
     codec_cores: int = 1
-    """Cores the encode and each decode use (today's store: one thread)."""
+    """Cores the encode and each decode use at the per-core rates above (the store runs ``min(4, cpus)``
+    threads, which gave 1.1–1.45× one thread's rate on the 2-core VM: memory-bound; 1 keeps the figure safe)."""
 
     @field_validator("fanout", mode="before")
     @classmethod
@@ -151,11 +153,10 @@ def weight_path(rates: Rates) -> WeightPath:
     """The weight path the rates describe (a bad value is a :class:`ConfigError` naming its key and flag)."""
     ws = rates.weight_sync
     try:
-        return WeightPath(
-            link_gb_per_s=ws.gb_per_s,
-            latency_s=ws.latency_s,
-            **{name: getattr(ws, name) for name in WEIGHT_FLAGS},
-        )
+        given = {name: getattr(ws, name) for name in WEIGHT_FLAGS}
+        if given["delta_ratio"] is None:
+            given["delta_ratio"] = 1.0 if given["fanout"] == weights.PUSH else weights.MEASURED_DELTA_RATIO
+        return WeightPath(link_gb_per_s=ws.gb_per_s, latency_s=ws.latency_s, **given)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

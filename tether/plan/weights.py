@@ -32,10 +32,11 @@ from typing import Literal
 MEASURED_DELTA_RATIO = 0.0123
 """Delta bytes ÷ full bf16 bytes at lr 1e-6: bench/weight_delta.py, 256-wide tiny model, 20 AdamW steps, 3
 seeds (0.0122-0.0123). At lr 1e-5 it measured 0.0543; a Qwen2.5-0.5B shape gave 0.0145 and 0.0665."""
-ENCODE_GB_PER_S = 0.3
-"""Delta encode (fp32 → bf16 → chunks with hashes), full bf16 GB/s per core; with DECODE_GB_PER_S, what
-bench/weight_delta.py reports on this project's 2-core CPU machine (busy: speeds are noisy)."""
-DECODE_GB_PER_S = 1.0
+ENCODE_GB_PER_S = 1.0
+"""Delta encode (bf16 bits → chunks with hashes), full bf16 GB/s per core; with DECODE_GB_PER_S, what
+``bench/weight_delta.py --speed-only`` measured on one thread on this project's 2-core CPU machine (100M
+bf16 elements after a real AdamW step at lr 1e-6: encode 1.0–1.4, decode 3.1–3.6 GB/s, medians of 3)."""
+DECODE_GB_PER_S = 3.0
 """Delta decode (verify every hash, rebuild from the held version), full bf16 GB/s per core."""
 PUSH = 0
 """``fanout`` 0: today's push from the learner."""
@@ -99,8 +100,11 @@ def full_push(path: WeightPath) -> WeightPath:
 
 
 def pull_of(path: WeightPath) -> WeightPath:
-    """The store transport's pull on the same link: ``path`` itself when it pulls, else fan-out 2."""
-    return path if path.fanout != PUSH else replace(path, fanout=2)
+    """The store transport's pull on the same link: ``path`` itself when it pulls, else fan-out 2 with the
+    measured delta ratio (unless the push was given a ratio of its own)."""
+    if path.fanout != PUSH:
+        return path
+    return replace(path, fanout=2, delta_ratio=MEASURED_DELTA_RATIO if path.delta_ratio == 1.0 else path.delta_ratio)
 
 
 def tree_parent(rank: int, fanout: int) -> int | None:
