@@ -56,6 +56,11 @@ class ServerMetrics:
         """Export the engine's forward passes and the rows they ran (``Engine.step_counts``), read at scrape."""
         self.registry.register(_EngineSteps(step_counts))
 
+    def watch_weight_pulls(self, counts: Callable[[], dict[str, float]]) -> None:
+        """Export the store transport's pull counters (``weight_sync.puller.Puller.stats``), read at scrape:
+        ``tether_rollout_weight_pulls{what}`` = pulls, pull_failures, bytes, corrupt_chunks, source_failures."""
+        self.registry.register(_WeightPulls(counts))
+
     def add_tokens(self, n: int) -> None:
         self.tokens.inc(n)
         self.total_tokens += n
@@ -103,3 +108,17 @@ class _EngineSteps(Collector):
             rows.add_metric([kind], counts.get(f"{kind}_rows", 0))
         yield passes
         yield rows
+
+
+class _WeightPulls(Collector):
+    def __init__(self, counts: Callable[[], dict[str, float]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "tether_rollout_weight_pulls", "Store transport: pulls, failed pulls, bytes, corrupt chunks refused, "
+            "sources that failed", labels=["what"],
+        )  # fmt: skip
+        for what, n in self._counts().items():
+            family.add_metric([what], n)
+        yield family

@@ -57,11 +57,13 @@ async def start_puller(state: ServerState):  # type: ignore[no-untyped-def]
     bind, advertise = peer_host(state)
     puller = Puller(engine, state.cfg, delivery=engine.weight_delivery(state.cfg), fleet=fleet,
                     server_id=state.server_id, peer_host=bind, advertise_host=advertise)  # fmt: skip
+    state.metrics.watch_weight_pulls(lambda: dict(puller.stats))
     try:
         await puller.join()
         announced = await fleet.announced()
         if announced is not None:
             await puller.pull(announced)
     except Exception as e:
+        puller.stats["pull_failures"] += 1
         log.warning("weight_join_failed", error=str(e))
     return puller

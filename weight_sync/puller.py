@@ -217,7 +217,6 @@ class Puller:
         fetched = time.perf_counter()
         await self._swap(weights, stats.manifests[-1] if stats.manifests else None)
         swapped = time.perf_counter()
-        await self.fleet.record(version, self.peer_address)
         self.last = stats
         self.stats["pulls"] += 1
         self.stats["bytes"] += stats.bytes
@@ -229,6 +228,7 @@ class Puller:
         log.info("weights_pulled", version=version, chain=list(stats.chain), bytes=stats.bytes,
                  by_source=stats.bytes_by_source, corrupt=stats.corrupt, failed=sorted(stats.failed_sources),
                  fetch_s=round(fetched - start, 4), swap_s=round(swapped - fetched, 4))  # fmt: skip
+        await self.fleet.record(version, self.peer_address)
 
     async def _swap(self, weights: Weights, manifest: Manifest | None) -> None:
         if weights is self.held:
