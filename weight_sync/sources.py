@@ -17,8 +17,10 @@ what a server holds: ``weight_sync.puller``).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -131,9 +133,12 @@ class Fetcher:
         chunk_timeout_s: float = 30.0,
         on_chunk: Callable[[str, bytes], None] | None = None,
         on_plan: Callable[[list[Manifest]], None] | None = None,
+        parallel: int = 4,
     ) -> None:
         self._sources = sources
         self.chunk_timeout_s = chunk_timeout_s
+        self.parallel = max(1, parallel)
+        """Chunk requests in flight at once (each source request is one chunk)."""
         self.on_chunk = on_chunk
         """Called with (hash, stored bytes) of every verified chunk, before it is decoded (a server keeps
         them to serve its peers)."""
@@ -186,19 +191,31 @@ class Fetcher:
                 raise VersionMissing(f"the plan for v{version} from nothing is empty")
             return held, stats
         current = held
-        for m in chain:
-            own = current is not None and current is not held
-            current = decode_version(
-                m, self._reader(m, sources, stats), current, in_place=own, reuse=None if own else reuse
-            )
+        with ThreadPoolExecutor(max_workers=self.parallel, thread_name_prefix="weight-fetch") as pool:
+            try:
+                for m in chain:
+                    own = current is not None and current is not held
+                    current = decode_version(
+                        m, self._reader(m, sources, stats, pool), current, in_place=own, reuse=None if own else reuse
+                    )
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)  # nothing fetched for a decode that is over
+                raise
         assert current is not None
         current.fetched_bytes = stats.bytes
         stats.chain = tuple(f"v{m.version}.{m.kind}" for m in chain)
         stats.seconds = time.perf_counter() - start
         return current, stats
 
-    def _reader(self, manifest: Manifest, sources: Sequence[Source], stats: FetchStats) -> Callable[[int], bytes]:
-        def read(k: int) -> bytes:
+    def _reader(
+        self, manifest: Manifest, sources: Sequence[Source], stats: FetchStats, pool: ThreadPoolExecutor
+    ) -> Callable[[int], bytes]:
+        """``read(k)``: chunk k's verified bytes. Chunks are fetched ``parallel`` at a time ahead of the decode
+        (in manifest order), so per-request latency overlaps instead of adding up."""
+        lock = threading.Lock()
+        ahead: dict[int, Future[bytes]] = {}
+
+        def fetch(k: int) -> bytes:
             digest = manifest.chunks[k].hash
             said, corrupt = [], False
             for source in sources:
@@ -207,25 +224,35 @@ class Fetcher:
                 try:
                     data = source.chunk(digest, timeout_s=self.chunk_timeout_s)
                 except ChunkMissing:
-                    stats.missing += 1
+                    with lock:
+                        stats.missing += 1
                     said.append(f"{source.name}: not held")
                     continue
                 except SourceUnavailable as e:
-                    stats.failed_sources[source.name] = str(e)
+                    with lock:
+                        stats.failed_sources[source.name] = str(e)
                     said.append(f"{source.name}: {e}")
                     log.warning("weight_source_failed", source=source.name, error=str(e))
                     continue
                 if content_hash(data) != digest:
-                    stats.corrupt += 1
+                    with lock:
+                        stats.corrupt += 1
                     corrupt = True
                     said.append(f"{source.name}: bytes fail their hash")
                     log.warning("weight_chunk_corrupt", source=source.name, chunk=describe(manifest, k))
                     continue
-                stats.bytes_by_source[source.name] = stats.bytes_by_source.get(source.name, 0) + len(data)
+                with lock:
+                    stats.bytes_by_source[source.name] = stats.bytes_by_source.get(source.name, 0) + len(data)
                 if self.on_chunk is not None:
                     self.on_chunk(digest, data)
                 return data
             error = ChunkCorrupt if corrupt else ChunkMissing
             raise error(f"{describe(manifest, k)}: no source served it ({'; '.join(said) or 'no source left'})")
+
+        def read(k: int) -> bytes:
+            for j in range(k, min(k + self.parallel, len(manifest.chunks))):
+                if j not in ahead:
+                    ahead[j] = pool.submit(fetch, j)
+            return ahead.pop(k).result()
 
         return read
