@@ -40,6 +40,11 @@ $(VENV)/.bench: $(VENV)/.base
 	$(PIP) install -q -e ".[dev,bench]"
 	touch $@
 
+# W&B, MLflow and trackio for the tracker tests (tests/integration/test_trackers.py, run.loggers).
+$(VENV)/.trackers: $(VENV)/.base
+	$(PIP) install -q -e ".[dev,trackers]"
+	touch $@
+
 # podman-compose for tests/compose (make test-compose).
 $(VENV)/.compose: $(VENV)/.base
 	$(PIP) install -q -e ".[dev,compose]"
@@ -49,7 +54,7 @@ install: $(VENV)/.base
 
 install-bench: $(VENV)/.bench
 
-install-test: $(VENV)/.vllm $(VENV)/.reference
+install-test: $(VENV)/.vllm $(VENV)/.reference $(VENV)/.trackers
 
 # The demo's tiny model is made locally (no hub): 64 wide, 2 layers, head_dim 32.
 .cache/tiny-demo/config.json: | install

@@ -36,7 +36,7 @@ from tether.redis_server import EmbeddedRedis  # noqa: E402
 
 def write_config(args: argparse.Namespace, *, run_id: str, model: Path, out: Path) -> Path:
     cfg = {
-        "run": {"run_id": run_id, "output_dir": str(out), "seed": 0, "tensorboard": False},
+        "run": {"run_id": run_id, "output_dir": str(out), "seed": 0, "loggers": ["console"]},
         "model": {"path": str(model)},
         "rollout": {"engine": {"type": "transformers", "max_num_seqs": 64}, "reward": {"type": "demo"}, "n": 8,
                     "max_tokens": 8, "num_servers": 1, "prompt_workers": 4},

@@ -91,7 +91,7 @@ class Learner:
         self.sender = WeightSender(cfg, model=self.model, servers=[self.receiver.address])
         self.groups = make_groups(8, 8, vocab=self.model.config.vocab_size, seed=0, completion_len=(8, 8))
         self.version = 0
-        self._module, self._local = sender_module, sender_module._full
+        self._module, self._local = sender_module, sender_module.full_tensor
         self._trainer_module, self._clip = trainer_module, trainer_module.clip_grad_norm
         self._optimizer_class = LocalAdamW
         self._opt_seconds: list[float] = []
@@ -113,7 +113,7 @@ class Learner:
             group["fused"], group["foreach"] = (None, False) if "fused_adamw" in off else (True, None)
         self._optimizer_class.local_step = "local_adamw" not in off
         gathered = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731
-        self._module._full = gathered if "local_shard" in off else self._local
+        self._module.full_tensor = gathered if "local_shard" in off else self._local
         self._trainer_module.clip_grad_norm = (
             (lambda model, max_norm, world: self._clip(model, max_norm, world=2)) if "local_clip" in off else self._clip
         )  # the world > 1 path: clip_grad_norm_ on the DTensors

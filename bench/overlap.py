@@ -56,7 +56,7 @@ def run_mode(args: argparse.Namespace, *, staleness: int, model: Path, out: Path
     run_id = f"overlap-s{staleness}-r{repeat}"
     transport = {"type": args.transport, **({"master_port": 0} if args.transport == "gloo" else {})}
     cfg = {
-        "run": {"run_id": run_id, "output_dir": str(out), "seed": 0, "tensorboard": False},
+        "run": {"run_id": run_id, "output_dir": str(out), "seed": 0, "loggers": ["console"]},
         "model": {"path": str(model)},
         "rollout": {"engine": {"type": "transformers", "max_num_seqs": 128}, "reward": {"type": "demo"},
                     "n": args.n, "max_tokens": args.max_tokens, "num_servers": 1, "prompt_workers": args.batch},

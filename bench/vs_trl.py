@@ -65,7 +65,7 @@ def tether_trial(*, model: Path, tokens: int, staleness: int, seed: int, steps: 
 
     run_id = f"s{staleness}-seed{seed}-{model.name}"
     cfg = {
-        "run": {"run_id": run_id, "output_dir": str(out), "seed": seed, "tensorboard": False},
+        "run": {"run_id": run_id, "output_dir": str(out), "seed": seed, "loggers": ["console"]},
         "model": {"path": str(model)},
         "rollout": {"engine": {"type": "transformers", "max_num_seqs": 64}, "reward": {"type": "demo"},
                     "n": SAMPLES, "temperature": 1.0, "max_tokens": tokens, "max_prompt_len": 64, "num_servers": 1},

@@ -34,11 +34,13 @@ from learner.publisher import Publisher
 from learner.rank_zero import CANNOT_TRAIN, FAILED, GO_ON, RankZero
 from learner.telemetry import StepPerf, StepProfiler, nvtx
 from learner.trainer import Trainer
+from tether import spans
 from tether.config import TetherConfig
 from tether.logs import get_logger, setup_logging
 from tether.metrics import build_metrics
 from tether.plots import write_plot
 from tether.runs import RunPaths, give_up, run_paths
+from tether.trackers import TrackerUnavailable
 
 log = get_logger(__name__)
 
@@ -52,11 +54,13 @@ def run(cfg: TetherConfig, *, resume: bool = False) -> int:
         console_format=cfg.run.log_format,
         log_file=paths.log_file(f"learner-rank{rank}"),
     )
+    spans.start(paths.spans, process=f"learner-rank{rank}", enabled=cfg.run.trace)
     try:
         return Learner(cfg, rank=rank, world=world, device=device, resume=resume).run()
     finally:
         # FSDP modules sit in reference cycles: freed now, not at interpreter shutdown, where a gloo thread
         # dropping a tensor's last reference without the GIL aborts the process after a successful run.
+        spans.stop()
         gc.collect()
         dist.destroy_process_group()
 
@@ -90,9 +94,15 @@ class Learner:
             paths.make()
             paths.gave_up.unlink(missing_ok=True)  # an earlier lifetime's reason is not this one's
         seed_everything(cfg.run.seed)
+        try:  # before the model loads: a tracker whose package is missing stops every rank in seconds
+            self.metrics = build_metrics(paths.root, rank=rank, loggers=cfg.run.loggers, project=cfg.run.project_name,
+                                         run_name=cfg.run.run_id, config=cfg.model_dump(mode="json"))  # fmt: skip
+        except TrackerUnavailable as e:
+            if rank == 0:
+                give_up(paths, str(e))  # a restart cannot install a package: `tether up` ends the run
+            raise
         self.trainer = build_trainer(cfg, device)
         self.state = state = resume_state(paths, self.trainer, resume=resume)
-        self.metrics = build_metrics(paths.root, rank=rank, tensorboard=cfg.run.tensorboard)
         # Rank 0 alone talks to Redis; on resume it picks the version to continue from, every rank agrees.
         self.zero = RankZero(cfg, paths, state, resume=resume) if rank == 0 else None
         republish = self.zero.republish if self.zero is not None else False
@@ -130,16 +140,17 @@ class Learner:
         while state.step < lc.total_steps:
             t0 = time.perf_counter()
             batch, stop = [], GO_ON
-            if zero is not None:  # admission counts from the version the servers hold, read when it is computed
-                batch, stop = zero.next_batch(state.version, self.stop_signal, lambda: publisher.published)
-            groups, stop = broadcast_groups([b.group for b in batch], device=self.device, stop=stop)
+            with spans.span("wait_data", step=state.step + 1):  # the buffer's groups, and the rank broadcast
+                if zero is not None:  # admission counts from the version the servers hold, read when computed
+                    batch, stop = zero.next_batch(state.version, self.stop_signal, lambda: publisher.published)
+                groups, stop = broadcast_groups([b.group for b in batch], device=self.device, stop=stop)
             if stop != GO_ON:
                 return {FAILED: 1, CANNOT_TRAIN: CANNOT_TRAIN}.get(stop, 0)
             t_data = time.perf_counter() - t0
-            with self.profiler(state.step + 1), nvtx(f"step{state.step + 1}"):
+            with self.profiler(state.step + 1), nvtx("train_step", step=state.step + 1):
                 out = self.trainer.train_step(groups, version=state.version, step=state.step)
             if zero is not None:  # after the optimizer step that used them
-                out.update(zero.trained(batch, step=state.step + 1))
+                out.update(zero.trained(batch, step=state.step + 1, version=state.version))
                 state.data_position = zero.feed.position
             state.step += 1
             t_sync = time.perf_counter()

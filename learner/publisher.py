@@ -80,7 +80,7 @@ class Publisher:
     def publish(self, version: int, *, background: bool) -> dict[str, float]:
         """Publish the weights as ``version`` (on every rank); the report on rank 0 when not in the background."""
         zero = self.zero
-        with nvtx("weight_sync"):
+        with nvtx("publish", version=version):
             report = self.sender.publish(
                 version, background=background, on_done=self._committed if zero is not None else None
             )
@@ -108,7 +108,8 @@ class Publisher:
         if self._pending is None:
             return 0.0
         start = time.perf_counter()
-        report = self.sender.wait()
+        with nvtx("weight_sync_wait"):
+            report = self.sender.wait()
         waited = time.perf_counter() - start
         step, row = self._pending
         self._pending = None

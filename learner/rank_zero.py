@@ -24,6 +24,7 @@ from learner.checkpoint import TrainState, checkpoint_step, latest_checkpoint
 from learner.feed import CannotTrain, DataTimeout, Feed
 from learner.group_trace import GroupTrace
 from learner.lifecycle import StopSignal, plan_resume_version, refuse_fresh_start
+from learner.samples import GenerationLog
 from learner.telemetry import LiveStatus
 from tether.config import TetherConfig
 from tether.logs import get_logger
@@ -76,6 +77,7 @@ class RankZero:
         self.live = LiveStatus(client=self.client, key=self.keys.learner, port=lc.metrics_port,
                                total_steps=lc.total_steps, start_step=state.step)  # fmt: skip
         self.trace = GroupTrace(paths.root / "groups.jsonl")
+        self.generations = GenerationLog(cfg, paths.root, client=self.client, keys=self.keys, source=self.feed.source)
         self.evaluator: Evaluator | None = None  # with learner.val_data_path, once started
         self.cannot_train: str | None = None
         """Why the run cannot train (:class:`learner.feed.CannotTrain`), once the feed gave up."""
@@ -116,11 +118,12 @@ class RankZero:
             stop = STOP_ASKED
         return batch, stop
 
-    def trained(self, batch: list, *, step: int) -> dict[str, float]:
-        """After the optimizer step that used ``batch`` (step ``step``): acknowledge and trace it; the
-        admission metrics."""
+    def trained(self, batch: list, *, step: int, version: int) -> dict[str, float]:
+        """After the optimizer step that used ``batch`` (step ``step``, at learner version ``version``):
+        acknowledge and trace it, and keep the viewer's sample of it; the admission metrics."""
         self.feed.ack(batch)
         self.trace.write(batch, step=step)
+        self.generations.trained(batch, step=step, version=version)
         return self.feed.admission_metrics()
 
     def after_step(self, step: int, version: int, row: dict[str, float], *, servers_version: int) -> None:
@@ -156,6 +159,7 @@ class RankZero:
 
     def close(self, paths: RunPaths) -> None:
         self.live.close()
+        self.generations.close()
         _write_books(self.cfg, self.keys, paths.root / "buffer_stats.json")
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from tether import spans
 from tether.logs import get_logger
 
 log = get_logger(__name__)
@@ -61,16 +62,19 @@ class StepPerf:
 
 
 @contextlib.contextmanager
-def nvtx(name: str) -> Iterator[None]:
-    """An NVTX range around a phase (visible in Nsight) when CUDA is in use; nothing otherwise."""
-    if torch.cuda.is_available():
-        torch.cuda.nvtx.range_push(name)
-        try:
+def nvtx(name: str, **args: object) -> Iterator[None]:
+    """A phase of the step: a span of the run's timeline (:mod:`tether.spans`, with ``args``) and, when CUDA
+    is in use, an NVTX range of the same name (visible in Nsight)."""
+    with spans.span(name, **args):
+        if torch.cuda.is_available():
+            label = " ".join([name, *(f"{k}={v}" for k, v in args.items())])
+            torch.cuda.nvtx.range_push(label)
+            try:
+                yield
+            finally:
+                torch.cuda.nvtx.range_pop()
+        else:
             yield
-        finally:
-            torch.cuda.nvtx.range_pop()
-    else:
-        yield
 
 
 class StepProfiler:

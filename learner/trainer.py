@@ -34,6 +34,7 @@ from learner.losses import get_policy_loss
 from learner.offload import activation_offload
 from learner.optim import build_optimizer
 from learner.packing import Sample, make_micro_batch, per_token, plan_micro_batches, plan_within_ranks
+from tether import spans
 from tether.config import TetherConfig
 from tether.logs import get_logger
 from tether.trajectory import GroupData
@@ -213,9 +214,10 @@ class Trainer:
             if mb.empty:
                 dummy_loss(model, mb, device=self.device)
                 continue
-            logprobs, _ = forward_micro_batch(
-                model, mb, device=self.device, temperature=_temperatures(samples, index), sp=self.sp
-            )
+            with spans.span("forward_only", field=field, rows=len(index)):
+                logprobs, _ = forward_micro_batch(
+                    model, mb, device=self.device, temperature=_temperatures(samples, index), sp=self.sp
+                )
             logprobs = logprobs.cpu().numpy()
             offset = 0
             for i in index:
@@ -247,7 +249,7 @@ class Trainer:
                     dummy = dummy_loss(self.model, mb, device=self.device)
                 (dummy * self.world).backward()
                 continue
-            with self.offload():
+            with self.offload(), spans.span("forward", rows=len(index)):
                 logprobs, entropy = forward_micro_batch(
                     self.model,
                     mb,
@@ -282,16 +284,18 @@ class Trainer:
                 entropy=entropy,
                 ref_logprobs=ref,
             )
-            (loss * self.world).backward()
+            with spans.span("backward", rows=len(index)):
+                (loss * self.world).backward()
             if not self.layout.sp_rank:  # the group's first rank counts its metrics
                 sums.add(m)
-        norm = float(clip_grad_norm(self.model, lc.grad_clip, world=self.world))
-        if math.isfinite(norm):
-            self.optimizer.step()
-        else:
-            # The norm is global, so every rank skips together; nothing non-finite reaches the weights.
-            log.warning("update_skipped_nonfinite_grad", grad_norm=norm)
-            sums.skipped += 1
+        with spans.span("optimizer"):
+            norm = float(clip_grad_norm(self.model, lc.grad_clip, world=self.world))
+            if math.isfinite(norm):
+                self.optimizer.step()
+            else:
+                # The norm is global, so every rank skips together; nothing non-finite reaches the weights.
+                log.warning("update_skipped_nonfinite_grad", grad_norm=norm)
+                sums.skipped += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return norm
@@ -340,11 +344,13 @@ class Trainer:
         # A fully masked sample stays in the step, as in verl: in its group's baseline and in the sequence
         # count of the seq-mean aggregations, with no token in the loss.
         if self.critic is not None:
-            self.critic.compute_values(samples)
+            with spans.span("critic_values"):
+                self.critic.compute_values(samples)
         assign_advantages(samples, a)
         minis = self._mini_batches(samples, len(groups))
         if self.critic is not None:
-            out.update(self.critic.update(samples, minis))
+            with spans.span("critic_update"):
+                out.update(self.critic.update(samples, minis))
         if self.critic is None or step >= self.cfg.critic.critic_warmup:
             out.update(self._train_actor(samples, minis))
         else:

@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 
+from tether import spans
 from tether.config import TetherConfig
 from tether.logs import get_logger, setup_logging
 from tether.redis_server import free_port
@@ -38,10 +39,14 @@ def run(cfg: TetherConfig) -> int:
 
         log_file = run_paths(cfg).log_file(server_id)
     setup_logging(process=server_id, level=cfg.run.log_level, console_format=cfg.run.log_format, log_file=log_file)
+    if cfg.run.run_id is not None:
+        spans.start(run_paths(cfg).spans, process=server_id, enabled=cfg.run.trace)
     try:
         return asyncio.run(serve(cfg, port=port, server_id=server_id))
     except KeyboardInterrupt:
         return 130
+    finally:
+        spans.stop()
 
 
 async def serve(cfg: TetherConfig, *, port: int, server_id: str, stop: asyncio.Event | None = None) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from tether import spans
 from tether.config import TetherConfig
 from tether.config.rollout import RemoteReward
 from tether.logs import get_logger
@@ -107,7 +108,8 @@ class RemoteRewardClient:
         delay = 0.1
         for attempt in range(self.rc.max_retries + 1):
             try:
-                reply = await self.stub.ScoreBatch(request, timeout=self.rc.timeout_s, metadata=self.metadata)
+                with spans.span("reward_call", address=self.rc.address, items=len(items)):
+                    reply = await self.stub.ScoreBatch(request, timeout=self.rc.timeout_s, metadata=self.metadata)
             except grpc.aio.AioRpcError as e:
                 if e.code() not in self.RETRYABLE or attempt == self.rc.max_retries:
                     raise RewardError(f"reward service {self.rc.address}: {e.code().name}: {e.details()}") from None

@@ -25,6 +25,7 @@ from rollout_server.rewards import RewardError, ScoreItem, build_reward
 from rollout_server.state import ServerState
 from rollout_server.trajectories import build_trajectory
 from rollout_server.validation import BadRequest, check_length, encode
+from tether import spans
 from tether.logs import get_logger
 from tether.resources import prompt_workers
 from tether.trajectory import PROMPT_GROUP_PREFIX, GroupData, encode_group
@@ -53,6 +54,7 @@ class PromptWorker:
 
     async def _loop(self, index: int) -> None:
         s = self.state
+        spans.set_track(f"worker-{index}")  # each coroutine its own track: its spans nest, never interleave
         while not s.draining:
             if s.engine.paused:  # a weight update: take the next prompt the moment it ends
                 with contextlib.suppress(TimeoutError):
@@ -92,7 +94,8 @@ class PromptWorker:
             n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k, max_tokens=rc.max_tokens
         )
         started = time.time()
-        samples = await e.generate(ids, spec, request_id=f"{group_id}-{time.monotonic_ns()}")
+        with spans.span("generate", group=group_id, n=spec.n):
+            samples = await e.generate(ids, spec, request_id=f"{group_id}-{time.monotonic_ns()}")
         s.metrics.add_tokens(sum(len(x.token_ids) for x in samples))
         items = [
             ScoreItem(prompt.text, x.text, ids, x.token_ids, prompt.reward_context, f"{group_id}-{i}")
@@ -127,7 +130,8 @@ class PromptWorker:
         failure = ""
         for attempt in range(rc.reward_attempts):
             try:
-                got = await self.reward.score([items[i] for i in scored]) if scored else []
+                with spans.span("reward", group=group_id, attempt=attempt + 1):
+                    got = await self.reward.score([items[i] for i in scored]) if scored else []
                 scores: list = [(0.0, {}) for _ in samples]
                 for i, score in zip(scored, got, strict=True):
                     scores[i] = score
@@ -149,7 +153,8 @@ class PromptWorker:
 
         while True:
             try:
-                fresh = await self.sink.put(group)
+                with spans.span("buffer_put", group=group.group_id):
+                    fresh = await self.sink.put(group)
                 break
             except BufferFull as err:  # the learner is behind: wait, unless we are shutting down
                 if self.state.draining:

@@ -1,9 +1,10 @@
 """One metrics interface for every process: ``logger.log({"loss/pg": 0.1}, step=3)``.
 
-Sinks: JSON lines (always, the machine-readable record of a run) and TensorBoard. The default
-:class:`MetricsLogger` does nothing, so library code can log unconditionally; only rank 0 gets real
-sinks. A failing sink logs one warning and is switched off: logging never crashes training.
-Key names are ``area/name``: ``loss/pg``, ``rollout/tokens_per_s``, ``buffer/staleness_max``.
+Sinks: JSON lines (always, the machine-readable record of a run, under tether's names) and the experiment
+trackers of ``run.loggers`` (console, TensorBoard, W&B, MLflow, trackio: :mod:`tether.trackers`, under
+verl's names). The default :class:`MetricsLogger` does nothing, so library code can log unconditionally;
+only rank 0 gets real sinks. A failing sink logs one warning and is switched off: logging never crashes
+training. Key names are ``area/name``: ``loss/pg``, ``rollout/tokens_per_s``, ``buffer/staleness_max``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,8 @@ from tether.logs import get_logger
 log = get_logger(__name__)
 
 
-def _to_float(value: Any) -> float | None:
+def to_float(value: Any) -> float | None:
+    """A finite float, or None (non-numbers and NaN/inf)."""
     try:
         out = float(value.item() if hasattr(value, "item") else value)
     except (TypeError, ValueError):
@@ -49,29 +51,12 @@ class JsonlMetrics(MetricsLogger):
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         row: dict[str, Any] = {"step": int(step), "time": time.time()}
-        row.update({k: _to_float(v) for k, v in metrics.items()})
+        row.update({k: to_float(v) for k, v in metrics.items()})
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
 
     def close(self) -> None:
         self._file.close()
-
-
-class TensorBoardMetrics(MetricsLogger):
-    def __init__(self, log_dir: str | Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # torch only where metrics are written
-
-        self._writer = SummaryWriter(log_dir=str(log_dir))
-
-    def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        for key, value in metrics.items():
-            number = _to_float(value)
-            if number is not None:
-                self._writer.add_scalar(key, number, global_step=step)
-        self._writer.flush()
-
-    def close(self) -> None:
-        self._writer.close()
 
 
 class MultiMetrics(MetricsLogger):
@@ -94,17 +79,35 @@ class MultiMetrics(MetricsLogger):
                 sink.close()
 
 
-def build_metrics(run_root: str | Path, *, rank: int = 0, tensorboard: bool = True) -> MetricsLogger:
-    """Real sinks on rank 0 (JSONL, and TensorBoard when wanted and importable); no-op elsewhere."""
+DEFAULT_LOGGERS = ("console", "tensorboard")
+
+
+def build_metrics(
+    run_root: str | Path,
+    *,
+    rank: int = 0,
+    loggers: Sequence[str] = DEFAULT_LOGGERS,
+    project: str = "tether",
+    run_name: str | None = None,
+    config: Mapping[str, Any] | None = None,
+    tensorboard: bool | None = None,
+) -> MetricsLogger:
+    """Rank 0: ``{run_root}/metrics.jsonl`` and each tracker of ``loggers`` (started with ``config``, the run's
+    resolved config as plain data, under ``project`` and ``run_name``, default the folder's name); a no-op on
+    other ranks. Every rank first checks the trackers' packages, so a missing one stops all ranks at once
+    with what to install (:class:`tether.trackers.TrackerUnavailable`). ``tensorboard``: the old switch,
+    True adds TensorBoard to ``loggers`` and False removes it."""
+    from tether.trackers import TrackerRun, check_installed, start_trackers  # they build on this module
+
+    names = [n for n in loggers if n != "tensorboard" or tensorboard is not False]
+    if tensorboard and "tensorboard" not in names:
+        names.append("tensorboard")
+    check_installed(names)
     if rank != 0:
         return MetricsLogger()
     root = Path(run_root)
     sinks: list[MetricsLogger] = [JsonlMetrics(root / "metrics.jsonl")]
-    if tensorboard:
-        try:
-            sinks.append(TensorBoardMetrics(root / "tensorboard"))
-        except Exception as e:
-            log.warning("tensorboard_unavailable", error=repr(e))
+    sinks += start_trackers(names, TrackerRun(root, project=project, name=run_name or root.name, config=config or {}))
     return MultiMetrics(sinks)
 
 

@@ -9,6 +9,8 @@ runs/<run_id>/
   plots/               PNG curves (reward, loss, ...)
   checkpoints/         torch.distributed.checkpoint folders, step_<n>/
   snapshots/           safetensors weight snapshots for the filesystem transport
+  spans/               <process>.jsonl: stage spans on the wall clock (`tether trace` merges them),
+                       <process>.open.json: the spans open now (the watchdog reads them)
   redis/               the embedded Redis' working directory (its data, and ``url`` while it runs)
   gave_up.txt          why a process gave up where a restart cannot help (a dataset that does not fit the
                        config, a run that cannot train): ``tether up`` ends the run with it instead of restarting
@@ -54,6 +56,10 @@ class RunPaths:
     @property
     def snapshots(self) -> Path:
         return self.root / "snapshots"
+
+    @property
+    def spans(self) -> Path:
+        return self.root / "spans"
 
     @property
     def redis(self) -> Path:

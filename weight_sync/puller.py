@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from tether import spans
 from tether.config import TetherConfig
 from tether.logs import get_logger
 from weight_sync.loading import Delivery, WeightLoader
@@ -209,13 +210,15 @@ class Puller:
         fetcher = Fetcher(sources, chunk_timeout_s=self.transport.chunk_timeout_s, on_chunk=cache.put, on_plan=expect)
         start = time.perf_counter()
         try:
-            weights, stats = await asyncio.to_thread(fetcher.fetch, version, held=self.held, reuse=self.spare)
+            with spans.span("weight_fetch", version=version, sources=len(sources)):
+                weights, stats = await asyncio.to_thread(fetcher.fetch, version, held=self.held, reuse=self.spare)
         finally:
             for digest in expected:  # what this fetch never got: its waiters hear "not held" now
                 if digest not in cache:
                     cache.fail(digest)
         fetched = time.perf_counter()
-        await self._swap(weights, stats.manifests[-1] if stats.manifests else None)
+        with spans.span("weight_swap", version=version):
+            await self._swap(weights, stats.manifests[-1] if stats.manifests else None)
         swapped = time.perf_counter()
         self.last = stats
         self.stats["pulls"] += 1

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from tether import spans
 from tether.config import TetherConfig
 from tether.logs import get_logger
 from tether.v1 import control_pb2
@@ -216,7 +217,8 @@ class WeightSender:
             )  # fmt: skip
             ready = list(servers)  # provisionally: the answers are read before commit
         else:
-            ready = self._prepare(servers, version, update_id, dropped) if servers else []
+            with spans.span("weight_prepare", version=version, servers=len(servers)):
+                ready = self._prepare(servers, version, update_id, dropped) if servers else []
         prepare_s = time.perf_counter() - start
         sending = bool(ready) and self.transport.begin(update_id, ready)
         if ready and not sending:
@@ -225,16 +227,17 @@ class WeightSender:
             ready = []
         snapshot = SnapshotWriter(self.snapshot_root, version, self.layout) if snapshot_due else None
         gather_start = time.perf_counter()
-        try:
-            if staged is not None:
-                self._send_all(sending=sending, snapshot=snapshot, staged=staged)
-            elif self._agree(sending or snapshot is not None):
-                self._send_all(sending=sending, snapshot=snapshot, staged=None)
-        except BaseException:
-            if snapshot is not None:
-                snapshot.discard()
-            raise
-        transfer_ok = self.transport.finish() if sending else False
+        with spans.span("weight_transfer", version=version, servers=len(ready), snapshot=snapshot is not None):
+            try:
+                if staged is not None:
+                    self._send_all(sending=sending, snapshot=snapshot, staged=staged)
+                elif self._agree(sending or snapshot is not None):
+                    self._send_all(sending=sending, snapshot=snapshot, staged=None)
+            except BaseException:
+                if snapshot is not None:
+                    snapshot.discard()
+                raise
+            transfer_ok = self.transport.finish() if sending else False
         gather_s = time.perf_counter() - gather_start
         if snapshot is not None:
             snapshot.commit(keep=self.wcfg.keep_snapshots)
@@ -242,7 +245,8 @@ class WeightSender:
             ready = self._ready(servers, *overlapped.result(), dropped)
             prepare_s = time.perf_counter() - start
         commit_start = time.perf_counter()
-        reached = self._commit(ready, version, update_id, transfer_ok, snapshot is not None, dropped)
+        with spans.span("weight_commit", version=version, servers=",".join(ready)):
+            reached = self._commit(ready, version, update_id, transfer_ok, snapshot is not None, dropped)
         seconds = time.perf_counter() - start
         self.last_dropped = dropped
         metrics = {

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tether import spans
 from tether.config import TetherConfig
 from tether.logs import get_logger
 from weight_sync.sender import full_tensor
@@ -125,7 +126,8 @@ class StoreSender:
         if self._background is not None:
             raise RuntimeError(f"weight_sync: publication of version {self._background[0]} is still in flight")
         start = time.perf_counter()
-        staged = self._stage(version)
+        with spans.span("weight_stage", version=version):
+            staged = self._stage(version)
         if self.rank != 0:
             return {}
         assert staged is not None
@@ -170,12 +172,14 @@ class StoreSender:
     ) -> dict[str, float]:
         version = weights.version
         stage_s = time.perf_counter() - start
-        published = self.publisher.commit(weights)
+        with spans.span("weight_write", version=version):  # encode (delta, dtype) and write to the store
+            published = self.publisher.commit(weights)
         if self.announce is not None:
             self.announce({"version": version, "origin": self.origin.address if self.origin else "",
                            "dtype": weights.dtype, "time": time.time()})  # fmt: skip
         publish_s = time.perf_counter() - start
-        reached, dropped, servers = self._await_fleet(version)
+        with spans.span("weight_await_fleet", version=version):
+            reached, dropped, servers = self._await_fleet(version)
         seconds = time.perf_counter() - start
         self.last_dropped = dropped
         delta = published.delta_bytes

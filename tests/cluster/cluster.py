@@ -52,7 +52,7 @@ class Cluster:
         self.run_dir = self.folder / "runs" / RUN_ID
         self.config = self.folder / "cluster.yaml"
         cfg = {
-            "run": {"output_dir": str(self.folder / "runs"), "tensorboard": False},
+            "run": {"output_dir": str(self.folder / "runs"), "loggers": ["console"]},
             "model": {"path": str(model_dir)},
             "rollout": {
                 "engine": {"type": "transformers", "max_num_seqs": 64},

@@ -47,7 +47,7 @@ def write_config(
 ) -> Path:
     """A small run: train_batch_size 2, G = 4, 8 new tokens, claim_idle_ms 2000, filesystem weight sync."""
     cfg = {
-        "run": {"run_id": run_id, "output_dir": str(tmp_path / "runs"), "tensorboard": False},
+        "run": {"run_id": run_id, "output_dir": str(tmp_path / "runs"), "loggers": ["console"]},
         "model": {"path": str(model)},
         "rollout": {
             "engine": {"type": "transformers", "max_num_seqs": 16},

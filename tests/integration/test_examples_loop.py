@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def config(tmp_path: Path, model: Path, *, run_id: str, rollout: dict, learner: dict) -> Path:
     cfg = {
-        "run": {"run_id": run_id, "output_dir": str(tmp_path / "runs"), "tensorboard": False},
+        "run": {"run_id": run_id, "output_dir": str(tmp_path / "runs"), "loggers": ["console"]},
         "model": {"path": str(model)},
         "rollout": {"engine": {"type": "transformers"}, "n": 4, "max_tokens": 8, "num_servers": 1, **rollout},
         "learner": {"total_steps": 2, "train_batch_size": 2, "checkpoint_every": 0, "export_hf": False,

@@ -48,7 +48,7 @@ def _learner(cfg_path: Path, *extra: str) -> subprocess.CompletedProcess:
 def test_learner_trains_publishes_checkpoints_and_resumes(tiny_model_dir: Path, redis_url: str, tmp_path: Path):
     run_id = "loop"
     cfg = {
-        "run": {"run_id": run_id, "output_dir": str(tmp_path), "tensorboard": False},
+        "run": {"run_id": run_id, "output_dir": str(tmp_path), "loggers": ["console"]},
         "model": {"path": str(tiny_model_dir)},
         "buffer": {"redis_url": redis_url},
         "rollout": {"max_tokens": 32},

@@ -28,7 +28,7 @@ def test_sync_every_2_publishes_every_second_step(
 
     run_id = f"sync2-s{max_staleness}"
     cfg = {
-        "run": {"run_id": run_id, "output_dir": str(tmp_path), "tensorboard": False},
+        "run": {"run_id": run_id, "output_dir": str(tmp_path), "loggers": ["console"]},
         "model": {"path": str(tiny_model_dir)},
         "buffer": {"redis_url": redis_url},
         "rollout": {"max_tokens": 32},

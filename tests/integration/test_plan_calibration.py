@@ -27,7 +27,7 @@ IDLE_TOL = 0.25
 def _run(tmp_path: Path, model: Path, max_staleness: int) -> Path:
     run_id = f"plan-s{max_staleness}"
     cfg = {
-        "run": {"run_id": run_id, "output_dir": str(tmp_path / "runs"), "tensorboard": False},
+        "run": {"run_id": run_id, "output_dir": str(tmp_path / "runs"), "loggers": ["console"]},
         "model": {"path": str(model)},
         "rollout": {
             "engine": {"type": "transformers", "max_num_seqs": 64},

@@ -38,7 +38,7 @@ def write_config(
     checkpoint_every: int = 0,
 ) -> Path:
     cfg = {
-        "run": {"run_id": run_id, "output_dir": str(tmp_path / "runs"), "tensorboard": False},
+        "run": {"run_id": run_id, "output_dir": str(tmp_path / "runs"), "loggers": ["console"]},
         "model": {"path": str(model)},
         "rollout": {
             "engine": {"type": "transformers", "max_num_seqs": 32},

@@ -53,7 +53,7 @@ def write_gsm8k(path: Path, n: int = 64) -> Path:
 
 def _up(tmp_path: Path, model: Path, run_id: str, *overrides: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "tether", "up", "--config", "configs/demo.yaml", "--model.path", str(model),
-           "--run.output_dir", str(tmp_path / "runs"), "--run.run_id", run_id, "--run.tensorboard", "false",
+           "--run.output_dir", str(tmp_path / "runs"), "--run.run_id", run_id, "--run.loggers", "console",
            "--learner.export_hf", "false", *overrides]  # fmt: skip
     return subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=280)
 
@@ -168,7 +168,7 @@ def test_a_learner_that_trained_then_cannot_checkpoints_on_every_rank_and_gives_
 
     run_id = "trained-then-stuck"
     cfg = {
-        "run": {"run_id": run_id, "output_dir": str(tmp_path), "tensorboard": False},
+        "run": {"run_id": run_id, "output_dir": str(tmp_path), "loggers": ["console"]},
         "model": {"path": str(tiny_model_dir)},
         "buffer": {"redis_url": redis_url},
         "rollout": {"max_tokens": 32, "reward": {"type": "remote", "address": "127.0.0.1:9"}},

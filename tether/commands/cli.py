@@ -8,6 +8,8 @@
     tether config --config cfg.yaml [overrides]      print the resolved config
     tether plan --from-run runs/<id>                 simulate the fleet: replay a run, or project a split
     tether relay --listen H:P --upstream H:P         a weight-store relay: chunks from the learner, kept in memory
+    tether view runs/<id> [--out page.html]          the sampled groups of a run, served on 127.0.0.1 or written
+    tether trace runs/<id> [--out trace.json]        every process' stage spans on one Perfetto timeline
     tether make-tiny-model DIR                       a tiny local model for tests and the demo
     tether make-tiny-model DIR --warm-start addition  ... then trained to be partly right at a task
 
@@ -85,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     from tether.commands.relay import add_parser as add_relay
 
     add_relay(sub)
+
+    from tether.commands.view import add_parser as add_view
+
+    add_view(sub)
+
+    from tether.commands.trace import add_parser as add_trace
+
+    add_trace(sub)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random model + byte-level tokenizer")
     tiny.add_argument("out_dir", metavar="DIR")
@@ -205,6 +215,18 @@ def cmd_relay(args: argparse.Namespace, overrides: list[str]) -> int:
     return run_relay(args, overrides)
 
 
+def cmd_view(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tether.commands.view import cmd_view as run_view
+
+    return run_view(args, overrides)
+
+
+def cmd_trace(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tether.commands.trace import cmd_trace as run_trace
+
+    return run_trace(args, overrides)
+
+
 def cmd_make_tiny_model(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise ConfigError(f"make-tiny-model: unexpected arguments {' '.join(overrides)}")
@@ -251,6 +273,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "config": cmd_config,
     "plan": cmd_plan,
     "relay": cmd_relay,
+    "view": cmd_view,
+    "trace": cmd_trace,
     "make-tiny-model": cmd_make_tiny_model,
 }
 

@@ -23,6 +23,7 @@ import redis
 from buffer import RedisKeys
 from buffer.health import RunWatch
 from tether.commands.status import _fmt, _rate, _recent_staleness, _Sample
+from tether.commands.watchdog import Watchdog
 from tether.config import TetherConfig
 from tether.logs import get_logger
 from tether.redis_server import connect_redis, redacted
@@ -57,6 +58,7 @@ class ProgressLine:
         every_steps: int | None = None,
         quiet_every_s: float = 30.0,
         watch: RunWatch | None = None,
+        stall: Watchdog | None = None,
     ) -> None:
         self.cfg = cfg
         self.keys = RedisKeys(cfg.run.run_id or "")
@@ -65,6 +67,7 @@ class ProgressLine:
         self.every = every_steps or step_interval(cfg.learner.total_steps)
         self.quiet_every_s = quiet_every_s
         self.watch = watch
+        self.stall = stall  # no learner step for too long: name the stuck stage (tether/commands/watchdog.py)
         self.metrics_path = metrics_path
         # Rows already in the file belong to earlier lifetimes of a resumed run.
         self._offset = metrics_path.stat().st_size if metrics_path is not None and metrics_path.exists() else 0
@@ -139,6 +142,10 @@ class ProgressLine:
         self.finish()
 
     def _warnings(self) -> list[str]:
+        stuck = self.stall.check() if self.stall is not None else None
+        return ([stuck] if stuck else []) + self._run_warnings()
+
+    def _run_warnings(self) -> list[str]:
         if self._redis_failures == REDIS_GRACE_TICKS:
             return [
                 f"Redis at {redacted(self.cfg.buffer.redis_url)} is unreachable, so no data moves — check that it "

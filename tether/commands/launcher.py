@@ -199,9 +199,11 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
             supervisor.start(spec)
         from buffer.health import RunWatch
         from tether.commands.console import ProgressLine
+        from tether.commands.watchdog import Watchdog
 
         live = _with_redis(cfg, url)
-        progress = ProgressLine(live, metrics_path=paths.metrics, watch=RunWatch(live))
+        stall = Watchdog(paths.root, k=cfg.run.watchdog_k, floor_s=cfg.run.watchdog_floor_s)
+        progress = ProgressLine(live, metrics_path=paths.metrics, watch=RunWatch(live), stall=stall)
         print(f"tether: run {cfg.run.run_id} started — folder {paths.root}", flush=True)
         for warning in preflight_warnings(cfg):
             progress.warn(warning)

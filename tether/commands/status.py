@@ -16,6 +16,7 @@ import redis
 
 from buffer import RedisKeys, ServerRegistry, buffer_stats, read_version
 from buffer.ledger import format_books, run_books
+from tether.commands.watchdog import Watchdog
 from tether.config import TetherConfig
 from tether.redis_server import RedisUnavailable, connect_redis
 from tether.runs import run_paths
@@ -75,6 +76,17 @@ def _validation_line(sample: _Sample) -> str:
         f"{_fmt(sample.learner_float('val_pass_at_k'), '.3f')}   "
         f"missing {_fmt(sample.learner_float('val_missing'), '.0f')}"
     )
+
+
+def stuck_line(cfg: TetherConfig) -> str:
+    """A line naming the stuck stage when no learner step came for too long (the watchdog); else ""."""
+    paths = run_paths(cfg)
+    try:
+        since = paths.config.stat().st_mtime  # this lifetime's start: tether up writes the config then
+    except OSError:
+        return ""
+    stuck = Watchdog(paths.root, k=cfg.run.watchdog_k, floor_s=cfg.run.watchdog_floor_s, since=since).check()
+    return f"\nstuck: {stuck}" if stuck else ""
 
 
 def render_status(cfg: TetherConfig, client: redis.Redis, new: _Sample, old: _Sample | None) -> str:
@@ -146,7 +158,7 @@ def show_status(cfg: TetherConfig, *, watch: bool = False, out: TextIO | None = 
         while True:
             time.sleep(interval_s)
             new = _Sample(client, keys)
-            text = render_status(cfg, client, new, old)
+            text = render_status(cfg, client, new, old) + stuck_line(cfg)
             if watch and out.isatty():
                 out.write("\x1b[H\x1b[2J")  # clear the screen: a top-like view
             out.write(text + "\n")
@@ -157,7 +169,7 @@ def show_status(cfg: TetherConfig, *, watch: bool = False, out: TextIO | None = 
     except KeyboardInterrupt:
         return 0
     except _ERRORS as e:
-        print(f"tether status: redis: unreachable — {e}", file=sys.stderr)
+        print(f"tether status: redis: unreachable — {e}{stuck_line(cfg)}", file=sys.stderr)
         return 1
     finally:
         client.close()

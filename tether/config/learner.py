@@ -154,6 +154,21 @@ class LearnerConfig(Section):
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     """Serve Prometheus metrics from learner rank 0 on this port (0: a free one); empty: off."""
 
+    log_train_generations: int = Field(default=2, ge=0)
+    """Groups of each logged step rank 0 keeps in ``{run}/generations.jsonl`` for ``tether view`` (prompt,
+    completions, per-token versions and log-probs, reward, advantage, staleness, server), spread over the
+    step's batch, plus the newest dead letters in ``{run}/dead_letters.jsonl`` (verl's
+    ``trainer.log_val_generations``, for the groups trained on); 0: neither."""
+
+    log_generations_every: int = Field(default=1, gt=0)
+    """Log the groups of every this many steps; the interval doubles each time the file is thinned to
+    stay within ``generations_max_mb``."""
+
+    generations_max_mb: float = Field(default=32.0, gt=0)
+    """Most MiB ``generations.jsonl`` holds: before a step's lines would take it over, the lines of every
+    other logged step go and the interval doubles, so the sample spans the whole run. ``dead_letters.jsonl``
+    holds a quarter of it (the newest)."""
+
     read_timeout_s: float = Field(default=0.0, ge=0)
     """Give up (exit with an error) when no trajectory group arrives for this long; 0: wait forever."""
 

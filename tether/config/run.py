@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+import warnings
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from tether.config.base import Section
+
+LoggerName = Literal["console", "tensorboard", "wandb", "mlflow", "trackio"]
+"""A tracker of ``run.loggers`` (the registry is ``tether.trackers.TRACKERS``)."""
 
 
 class RunConfig(Section):
@@ -28,8 +32,17 @@ class RunConfig(Section):
     log_format: Literal["console", "json"] = "console"
     """Format of log lines on the console; the per-process log files are always JSON lines."""
 
-    tensorboard: bool = True
-    """Also write metrics as TensorBoard event files (``{run}/tensorboard``); JSONL is always written."""
+    loggers: list[LoggerName] = Field(default_factory=lambda: ["console", "tensorboard"])
+    """Experiment trackers learner rank 0 sends each step's metrics to, verl's ``trainer.logger`` names:
+    ``console`` (a ``step:N - key:value`` line per step on the learner's stdout, ``logs/learner.out`` under
+    ``tether up``), ``tensorboard`` (``{run}/tensorboard``), ``wandb`` (offline, ``{run}/wandb``), ``mlflow``
+    (``{run}/mlruns``), ``trackio`` (``{run}/trackio``). They get the resolved config and verl's curve names
+    (docs/TRACKERS.md); ``metrics.jsonl`` is always written, with tether's names. ``wandb``, ``mlflow`` and
+    ``trackio`` need the extra of that name (``pip install 'tether[wandb]'``)."""
+
+    project_name: str = Field(default="tether", min_length=1)
+    """The project trackers file the run under (W&B project, MLflow experiment, trackio project), verl's
+    ``trainer.project_name``; the run itself is named by ``run_id``."""
 
     max_restarts: int = Field(default=3, ge=0)
     """``tether up``: how often a child that dies is started again before the run gives up — a rollout server
@@ -39,9 +52,65 @@ class RunConfig(Section):
     restart_backoff_s: float = Field(default=2.0, gt=0)
     """``tether up``: wait before the first restart of a child; doubled for each further one (at most 60 s)."""
 
+    trace: bool = True
+    """Every process records its stage spans (generation, reward calls, buffer put/get, weight sync stages,
+    learner forward/backward/optimizer/publish) in ``{run}/spans``; ``tether trace`` merges them into one
+    Chrome/Perfetto timeline, and the watchdog names the stage that is stuck from them. Measured overhead
+    on the demo loop: ``bench/trace_overhead.py``."""
+
+    watchdog_k: float = Field(default=5.0, gt=1)
+    """``tether up`` / ``tether status``: no learner step for ``watchdog_k`` × the median of the recent step
+    times (and at least ``watchdog_floor_s``) is a stall, and the console names the stage that is stuck and
+    its process from the open spans (``tether/commands/watchdog.py``)."""
+
+    watchdog_floor_s: float = Field(default=30.0, gt=0)
+    """The least time without a learner step that counts as a stall (300 s before a lifetime's first step)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_tensorboard(cls, data: Any) -> Any:
+        """``run.tensorboard: true/false`` was the switch before ``loggers``: still read, with a warning."""
+        if not isinstance(data, dict) or "tensorboard" not in data:
+            return data
+        data = dict(data)
+        wanted = data.pop("tensorboard")
+        if not isinstance(wanted, bool):
+            raise ValueError(f"tensorboard (deprecated) must be true or false, not {wanted!r}; use loggers")
+        if "loggers" in data:
+            given = _as_list(data["loggers"])
+            if ("tensorboard" in given) != wanted:
+                raise ValueError(
+                    f"tensorboard {str(wanted).lower()} and loggers {given} disagree — keep only loggers "
+                    "(run.tensorboard is deprecated)"
+                )
+        else:
+            data["loggers"] = ["console", "tensorboard"] if wanted else ["console"]
+        warnings.warn(
+            f"run.tensorboard is deprecated: write run.loggers: [{', '.join(_as_list(data['loggers']))}] "
+            "(verl's trainer.logger)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return data
+
+    @field_validator("loggers", mode="before")
+    @classmethod
+    def _one_logger(cls, v: Any) -> Any:
+        return _as_list(v)
+
+    @field_validator("loggers")
+    @classmethod
+    def _no_repeats(cls, v: list[str]) -> list[str]:
+        return list(dict.fromkeys(v))
+
     @field_validator("run_id")
     @classmethod
     def _safe_run_id(cls, v: str | None) -> str | None:
         if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", v):
             raise ValueError("must be 1-128 characters of letters, digits, '.', '_' or '-'")
         return v
+
+
+def _as_list(value: Any) -> Any:
+    """verl accepts ``logger: console`` for ``[console]``; so does ``--run.loggers wandb``."""
+    return [value] if isinstance(value, str) else value
