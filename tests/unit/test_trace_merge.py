@@ -68,3 +68,27 @@ def test_recorded_spans_through_the_command(tmp_path: Path, capsys) -> None:  # 
 def test_no_spans_says_so(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["trace", str(tmp_path)]) == 2
     assert "run.trace" in capsys.readouterr().err
+
+
+def test_the_timeline_page_draws_a_bar_per_span_nested_under_its_parent(tmp_path: Path) -> None:
+    import re
+
+    from tether.viewer.timeline import timeline_html
+
+    folder = tmp_path / "run" / "spans"
+    t0 = 1_700_000_000.0
+    _write(folder, "learner-rank0.jsonl", [_span("train_step", t0, 0.5), _span("forward", t0 + 0.1, 0.2)])
+    _write(folder, "rollout-0.jsonl", [_span("generate", t0 + 0.2, 0.3, "worker-0"), _span("<b>", t0 + 0.6, 0.1)])
+    trace = merge_spans(folder)
+    assert main(["trace", str(tmp_path / "run"), "--html", str(tmp_path / "t.html")]) == 0
+    page = (tmp_path / "t.html").read_text()
+    rects = re.findall(r'<rect x="([\d.]+)" y="(\d+)" width="([\d.]+)"', page)
+    assert len(rects) == 4
+    (x_step, y_step, w_step), (x_fwd, y_fwd, w_fwd) = rects[0], rects[1]
+    assert y_fwd > y_step  # nested: drawn a level below its parent
+    assert float(x_step) < float(x_fwd) and float(x_fwd) + float(w_fwd) < float(x_step) + float(w_step)
+    assert "learner-rank0 · MainThread" in page and "rollout-0 · worker-0" in page
+    assert "<b>" not in page.split("<svg")[1]  # names are escaped
+    # a window keeps the spans that end inside it
+    late = timeline_html(trace, title="t", window_s=0.15)
+    assert len(re.findall("<rect", late)) == 1 and "&lt;b&gt;" in late

@@ -24,6 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trace", help="one Chrome/Perfetto timeline of a run's stage spans, all processes")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (runs/<id>)")
     p.add_argument("--out", metavar="FILE", default=None, help="where to write the trace (default RUN_DIR/trace.json)")
+    p.add_argument("--html", metavar="FILE", default=None, help="also draw it as one self-contained page (SVG)")
+    p.add_argument("--window-s", type=float, default=None, metavar="S", help="--html: only the last S seconds")
 
 
 def cmd_trace(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -39,6 +41,11 @@ def cmd_trace(args: argparse.Namespace, overrides: list[str]) -> int:
     meta = trace["otherData"]
     print(f"wrote {meta['spans']} spans of {len(meta['processes'])} processes ({', '.join(meta['processes'])}) "
           f"to {out} — open it in https://ui.perfetto.dev or chrome://tracing")  # fmt: skip
+    if args.html:
+        from tether.viewer.timeline import timeline_html
+
+        Path(args.html).write_text(timeline_html(trace, title=f"tether trace · {run.name}", window_s=args.window_s))
+        print(f"wrote the timeline page {args.html}")
     if meta["unreadable_lines"]:
         print(f"tether: warning: {meta['unreadable_lines']} unreadable span lines skipped (a process cut off "
               "mid-write)")  # fmt: skip
