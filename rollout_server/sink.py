@@ -15,7 +15,9 @@ import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
+from tether import spans
 from tether.config import TetherConfig
 from tether.logs import get_logger
 from tether.trajectory import GroupData
@@ -36,6 +38,7 @@ class BufferSink:
         self.cfg = cfg
         self.server_id = server_id
         self.client = connect_redis(cfg.buffer.redis_url)
+        self._redis_at = urlsplit(cfg.buffer.redis_url).netloc.rpartition("@")[2]  # host:port, never a password
         self.keys = RedisKeys(cfg.run.run_id)
         self.prompts = PromptQueue(self.client, self.keys, claim_idle_ms=cfg.buffer.claim_idle_ms)
         self.writer = TrajectoryWriter(self.client, self.keys, cfg.buffer)
@@ -46,7 +49,9 @@ class BufferSink:
         self._putter: asyncio.Task | None = None
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        # A span per Redis call: a Redis that stops answering is what the watchdog then names (tether.spans).
+        with spans.span("redis", address=self._redis_at, op=getattr(fn, "__name__", "call")):
+            return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     async def read_prompts(self, *, count: int = 1, block_ms: int = 1000) -> list[tuple[str, trajectory_pb2.Prompt]]:
         import redis

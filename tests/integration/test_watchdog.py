@@ -1,6 +1,7 @@
 """The watchdog on real stalls: ``tether up`` runs until a part of the run hangs, and its console and
 ``tether status`` name the stage that is stuck and its process — a reward service that stops answering
-(a real gRPC server that sleeps), and a rollout server that is stopped (SIGSTOP)."""
+(a real gRPC server that sleeps), a rollout server that is stopped (SIGSTOP), and the run's Redis stopped
+(SIGSTOP)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def _up(tmp_path: Path, model: Path, run_id: str, **changes: dict) -> tuple[subp
     cfg = yaml.safe_load(cfg_path.read_text())
     cfg["run"].update(watchdog_k=3.0, watchdog_floor_s=8.0)
     for section, values in changes.items():
-        cfg[section].update(values)
+        cfg.setdefault(section, {}).update(values)
     cfg_path.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "up.out"
     proc = subprocess.Popen([sys.executable, "-m", "tether", "up", "--config", str(cfg_path)], cwd=REPO,
@@ -121,3 +122,27 @@ def test_a_stopped_rollout_server_is_named(tmp_path: Path, tiny_model_dir: Path)
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
         _stop(proc)
+
+
+@pytest.mark.slow
+def test_a_stopped_redis_is_named(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from tether.redis_server import EmbeddedRedis
+
+    redis = EmbeddedRedis(tmp_path / "redis")
+    url = redis.start()
+    address = url.split("//", 1)[1].split("/", 1)[0]
+    proc, out, _ = _up(tmp_path, tiny_model_dir, "stall-redis", buffer={"redis_url": url})
+    run = tmp_path / "runs" / "stall-redis"
+    stopped = False
+    try:
+        _wait("three learner steps", lambda: _steps(run) >= 3, 240, proc, out)
+        assert redis.process is not None
+        os.kill(redis.process.pid, signal.SIGSTOP)
+        stopped = True
+        line = _wait("the watchdog's warning", lambda: _warning(out, f"redis to {address}"), 180, proc, out)
+        assert f"redis to {address} open for" in line and ": rollout-" in line, line
+    finally:
+        if stopped:
+            os.kill(redis.process.pid, signal.SIGCONT)
+        _stop(proc)
+        redis.stop()
