@@ -1,7 +1,7 @@
 """The watchdog on real stalls: ``tether up`` runs until a part of the run hangs, and its console and
 ``tether status`` name the stage that is stuck and its process — a reward service that stops answering
-(a real gRPC server that sleeps), a rollout server that is stopped (SIGSTOP), and the run's Redis stopped
-(SIGSTOP)."""
+(a real gRPC server that sleeps), a rollout server that is stopped (SIGSTOP), the run's Redis stopped
+(SIGSTOP), and weight sync held by a relay that stops answering."""
 
 from __future__ import annotations
 
@@ -146,3 +146,42 @@ def test_a_stopped_redis_is_named(tmp_path: Path, tiny_model_dir: Path) -> None:
             os.kill(redis.process.pid, signal.SIGCONT)
         _stop(proc)
         redis.stop()
+
+
+class _HangingRelay:
+    """A relay (a real WeightStore gRPC service) that has no plan and no chunk for its first ``after`` chunk
+    requests (the servers go on to the origin), then holds every chunk request: each pull stalls in weight sync."""
+
+    def __init__(self, after: int) -> None:
+        import threading
+
+        self.after, self.calls, self.release = after, 0, threading.Event()
+
+    def plan(self, version, held):  # type: ignore[no-untyped-def]
+        from weight_sync.store import VersionMissing
+
+        raise VersionMissing("a relay with no plans")
+
+    def chunk(self, digest: str, *, wait_s: float = 0.0) -> bytes | None:
+        self.calls += 1
+        if self.calls > self.after:
+            self.release.wait(600)
+        return None
+
+
+@pytest.mark.slow
+def test_a_stalled_weight_fetch_is_named(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from weight_sync.chunk_service import serve
+
+    relay = _HangingRelay(after=60)
+    service = serve(relay, host="127.0.0.1")
+    store = {"type": "store", "fanout": 0, "relays": [service.address], "chunk_timeout_s": 600}
+    proc, out, _ = _up(tmp_path, tiny_model_dir, "stall-weights", weight_sync={"transport": store})
+    try:
+        line = _wait("the watchdog's warning", lambda: _warning(out, "weight"), 300, proc, out)
+        assert "weight await fleet open for" in line or "weight fetch open for" in line, line
+        assert relay.calls > relay.after  # the servers were held by the relay when the run stalled
+    finally:
+        relay.release.set()
+        _stop(proc)
+        service.stop(0)
