@@ -18,7 +18,6 @@ what a server holds: ``weight_sync.puller``).
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -111,10 +110,12 @@ class FetchStats:
     """Chunks whose bytes failed their hash (each asked again of the next source, never decoded)."""
     missing: int = 0
     failed_sources: dict[str, str] = field(default_factory=dict)
-    seconds: float = 0.0
     manifests: list[Manifest] = field(default_factory=list)
-    chain: tuple[str, ...] = ()
-    """The manifests applied, e.g. ``("v20.base", "v21.delta")``."""
+
+    @property
+    def chain(self) -> tuple[str, ...]:
+        """The manifests applied, e.g. ``("v20.base", "v21.delta")``."""
+        return tuple(f"v{m.version}.{m.kind}" for m in self.manifests)
 
     @property
     def bytes(self) -> int:
@@ -177,7 +178,6 @@ class Fetcher:
 
         ``held`` is never modified (a chain's intermediate versions are decoded in place in the buffer
         of the result); ``reuse``: weights the caller is done with, whose buffer receives the result."""
-        start = time.perf_counter()
         stats = FetchStats()
         sources = self.sources()
         if not sources:
@@ -203,8 +203,6 @@ class Fetcher:
                 raise
         assert current is not None
         current.fetched_bytes = stats.bytes
-        stats.chain = tuple(f"v{m.version}.{m.kind}" for m in chain)
-        stats.seconds = time.perf_counter() - start
         return current, stats
 
     def _reader(

@@ -316,12 +316,13 @@ class Publisher:
         return self.commit(self.stage(version, named))
 
     def commit(self, weights: Weights, *, base: bool = False) -> Published:
-        """Encode and write staged ``weights``; ``base``: a base whatever the schedule (a resumed learner)."""
+        """Encode and write staged ``weights``; ``base``: start afresh — a base only, diffed against nothing
+        (a resumed learner's first publication)."""
         t0 = time.perf_counter()
         version = weights.version
-        prev = self.prev
+        prev = None if base else self.prev
         can_delta = prev is not None and prev.version == version - 1 and prev.layout() == weights.layout()
-        kinds = ["base"] if base or version % self.base_every == 0 or not can_delta else []
+        kinds = ["base"] if version % self.base_every == 0 or not can_delta else []
         if can_delta and (not kinds or self.delta_at_base):
             kinds.append("delta")
         encoded = {k: encode_version(weights, prev if k == "delta" else None, chunk_bytes=self.chunk_bytes,

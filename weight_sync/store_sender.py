@@ -26,7 +26,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from tether import spans
 from tether.config import TetherConfig
@@ -74,11 +73,9 @@ class StoreSender:
         world_size: int = 1,
         announce: Announce | None = None,
         fleet: Fleet | None = None,
-        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.cfg, self.wcfg = cfg, cfg.weight_sync
         self.rank, self.world_size = rank, world_size
-        self.process_group = process_group
         self._params = list(params) if params is not None else list(model.named_parameters())
         self.announce, self.fleet = announce, fleet
         self.last_dropped: dict[str, str] = {}
@@ -133,12 +130,11 @@ class StoreSender:
         assert staged is not None
         if snapshot:
             self.store.truncate(after=version - 1)
-            self.publisher.prev = None
         if background:
-            future = self._executor.submit(self._deliver, staged, start, on_done)
+            future = self._executor.submit(self._deliver, staged, start, on_done, base=snapshot)
             self._background = (version, future)
             return {}
-        return self._deliver(staged, start, None)
+        return self._deliver(staged, start, None, base=snapshot)
 
     def wait(self) -> dict[str, float]:
         if self._background is None:
@@ -168,12 +164,12 @@ class StoreSender:
         return weights
 
     def _deliver(
-        self, weights: Weights, start: float, on_done: Callable[[dict[str, float]], None] | None
+        self, weights: Weights, start: float, on_done: Callable[[dict[str, float]], None] | None, *, base: bool
     ) -> dict[str, float]:
         version = weights.version
         stage_s = time.perf_counter() - start
         with spans.span("weight_write", version=version):  # encode (delta, dtype) and write to the store
-            published = self.publisher.commit(weights)
+            published = self.publisher.commit(weights, base=base)
         if self.announce is not None:
             self.announce({"version": version, "origin": self.origin.address if self.origin else "",
                            "dtype": weights.dtype, "time": time.time()})  # fmt: skip
