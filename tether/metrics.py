@@ -90,18 +90,15 @@ def build_metrics(
     project: str = "tether",
     run_name: str | None = None,
     config: Mapping[str, Any] | None = None,
-    tensorboard: bool | None = None,
 ) -> MetricsLogger:
     """Rank 0: ``{run_root}/metrics.jsonl`` and each tracker of ``loggers`` (started with ``config``, the run's
     resolved config as plain data, under ``project`` and ``run_name``, default the folder's name); a no-op on
     other ranks. Every rank first checks the trackers' packages, so a missing one stops all ranks at once
-    with what to install (:class:`tether.trackers.TrackerUnavailable`). ``tensorboard``: the old switch,
-    True adds TensorBoard to ``loggers`` and False removes it."""
+    with what to install (:class:`tether.trackers.TrackerUnavailable`). (The old ``run.tensorboard`` switch
+    is mapped onto ``run.loggers`` by the config.)"""
     from tether.trackers import TrackerRun, check_installed, start_trackers  # they build on this module
 
-    names = [n for n in loggers if n != "tensorboard" or tensorboard is not False]
-    if tensorboard and "tensorboard" not in names:
-        names.append("tensorboard")
+    names = list(loggers)
     check_installed(names)
     if rank != 0:
         return MetricsLogger()

@@ -48,7 +48,7 @@ def test_broken_sink_never_raises(tmp_path: Path) -> None:
 def test_only_rank0_writes(tmp_path: Path) -> None:
     build_metrics(tmp_path / "r1", rank=1).log({"x": 1}, step=0)
     assert not (tmp_path / "r1" / "metrics.jsonl").exists()
-    m = build_metrics(tmp_path / "r0", rank=0, tensorboard=True)
+    m = build_metrics(tmp_path / "r0", rank=0, loggers=["tensorboard"])
     m.log({"x": 1}, step=0)
     m.close()
     assert read_metrics(tmp_path / "r0" / "metrics.jsonl")[0]["x"] == 1
