@@ -11,15 +11,30 @@ and every member builds a fresh group under a fresh prefix (cost measured in wei
 
 The rendezvous is gated by a ``go`` key per (update, epoch): a receiver that answered PrepareWeightUpdate
 waits on it, and the sender writes ``1`` only when every planned member is ready (otherwise ``0``, and
-the waiting receivers give up at once instead of at a timeout). Every blocking step has a timeout: the
-store wait, the group construction, and each broadcast (the process group's timeout).
+the waiting receivers give up at once instead of at a timeout). Every blocking step has a deadline kept on
+the CPU: the store wait, the group construction (:func:`build_group`) and each broadcast (:func:`wait_work`).
+
+NCCL needs care for those deadlines to hold (neither default does): its ``work.wait()`` only orders the
+current CUDA stream after the collective and returns at once, so a peer that died is never noticed on the
+CPU; ``ncclCommInitRank`` blocks its thread until every rank has joined, so a lone sender waits forever;
+and a ``ProcessGroupNCCL`` inherits the watchdog's async error handling (``TORCH_NCCL_ASYNC_ERROR_HANDLING``,
+default: tear the process down), so a collective past the group's timeout kills the learner, or vLLM's
+engine core. So a weight-sync NCCL group is built with that handling off (:data:`NCCL_GROUP_ENV`, read by
+the group's constructor), joined on a helper thread the caller waits for at most its deadline, and every
+wait polls ``work.is_completed()`` against its deadline; a missed deadline aborts the communicator
+(:func:`close_group`, itself bounded) and raises :class:`StageTimeout` in a process that carries on. vLLM's
+``PyNcclCommunicator`` (what TRL's ``vllm_serve`` uses) avoids the watchdog by calling NCCL itself;
+this keeps torch's group, so the learner needs no vLLM.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import threading
+import time
+from collections.abc import Callable, Iterator
 from urllib.parse import urlparse
 
 import torch
@@ -40,8 +55,27 @@ threads bound how many segments are on the wire at once. Side by side on the ben
 (weight_sync/README.md, Bandwidth)."""
 
 
+NCCL_GROUP_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",  # the watchdog neither aborts nor tears the process down
+    "TORCH_NCCL_BLOCKING_WAIT": "0",  # deadlines are polled here; torch's blocking wait would not bound the join
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",  # no flight-recorder dump (and no kill after it) on a timed-out broadcast
+    "TORCH_NCCL_ENABLE_MONITORING": "0",  # the heartbeat monitor kills a process whose watchdog looks stuck
+}
+"""Environment a weight-sync ``ProcessGroupNCCL`` is constructed under (its constructor reads these). Set
+only around the construction (:func:`nccl_group_env`): other groups of the process keep their own."""
+
+CLOSE_WAIT_S = 10.0
+"""How long :func:`close_group` waits for an abort before leaving it to finish on its own thread."""
+
+_ENV_LOCK = threading.Lock()
+
+
 class TransferAborted(RuntimeError):
     """The sender called this update off before the transfer began (a planned member was not ready)."""
+
+
+class StageTimeout(TimeoutError):
+    """A collective step missed its deadline (a peer died or never joined); the group is aborted."""
 
 
 def _timeout(seconds: float) -> _dt.timedelta:
@@ -69,25 +103,103 @@ def go_key(update_id: str, epoch: int) -> str:
     return f"go/{update_id}/{epoch}"
 
 
+@contextlib.contextmanager
+def nccl_group_env() -> Iterator[None]:
+    """:data:`NCCL_GROUP_ENV` in ``os.environ`` for the duration (one construction at a time), then restored."""
+    with _ENV_LOCK:
+        saved = {name: os.environ.get(name) for name in NCCL_GROUP_ENV}
+        os.environ.update(NCCL_GROUP_ENV)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
 def build_group(
-    *, backend: str, store: dist.Store, rank: int, world_size: int, epoch: int, timeout_s: float, host: str
+    *,
+    backend: str,
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    epoch: int,
+    timeout_s: float,
+    host: str,
+    device: torch.device | str | None = None,
 ) -> dist.ProcessGroup:
-    """A process group of ``world_size`` on ``store`` under this epoch's prefix; blocks until all join."""
+    """A process group of ``world_size`` on ``store`` under this epoch's prefix; blocks until all join, at
+    most ``timeout_s`` (:class:`StageTimeout` after that, the half-built group aborted). ``device``: the GPU
+    an NCCL group runs on (default: the calling thread's current one)."""
     check_backend(backend)
     prefixed = dist.PrefixStore(f"tether/weight_sync/epoch{epoch}/", store)
     if backend == "gloo":
+        # Gloo's constructor waits for the peers on the store with this timeout, on this thread.
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = _timeout(timeout_s)
         opts._devices = [_gloo_device(host)]
         opts._threads = GLOO_THREADS
         return dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
+    gpu = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = _timeout(timeout_s)
-    pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-    # NCCL connects lazily; one tiny collective makes construction failures surface here, not mid-update.
-    probe = torch.zeros(1, device="cuda")
-    pg.allreduce([probe]).wait(_timeout(timeout_s))
+    # The group's own timeout only bounds what the watchdog reports; the deadlines are kept here, first.
+    opts._timeout = _timeout(2 * timeout_s)
+    with nccl_group_env():
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+
+    def join() -> None:
+        # NCCL connects lazily: one tiny collective makes a missing peer surface here, not mid-update. Rank 0's
+        # ncclCommInitRank blocks this thread until every rank joins, so it is not the caller's thread.
+        torch.cuda.set_device(gpu)  # the current device is per thread
+        probe = torch.zeros(1, device=gpu)
+        wait_work(pg.allreduce([probe]), timeout_s=timeout_s, what="weight-sync group probe")
+
+    try:
+        run_with_deadline(join, timeout_s=timeout_s, what=f"weight-sync NCCL group (rank {rank} of {world_size})")
+    except BaseException:
+        close_group(pg)
+        raise
     return pg
+
+
+def run_with_deadline(fn: Callable[[], None], *, timeout_s: float, what: str) -> None:
+    """Run ``fn`` on a daemon thread and wait at most ``timeout_s`` for it (a blocking native call cannot be
+    interrupted; on :class:`StageTimeout` it is left to return, or not, on its own thread)."""
+    done = threading.Event()
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # handed to the caller
+            error.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="weight-sync-join", daemon=True).start()
+    if not done.wait(max(0.001, timeout_s)):
+        raise StageTimeout(f"{what}: no answer within {timeout_s:g}s (a peer died or never joined)")
+    if error:
+        raise error[0]
+
+
+def wait_work(work: dist.Work, *, timeout_s: float, what: str = "broadcast") -> None:
+    """Block this thread until ``work`` has completed, at most ``timeout_s``; :class:`StageTimeout` after.
+
+    Polls ``is_completed()`` rather than calling ``wait()`` first: NCCL's ``wait()`` returns at once (it only
+    makes the current stream wait), so it could never miss a deadline. Once complete, ``wait()`` raises the
+    work's error, if any (and orders the current stream after an NCCL one).
+    """
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    pause = 5e-5
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            raise StageTimeout(f"{what}: not complete within {timeout_s:g}s (a peer died or stopped answering)")
+        time.sleep(pause)
+        pause = min(2 * pause, 2e-3)
+    work.wait()
 
 
 def _gloo_device(host: str):  # type: ignore[no-untyped-def]
@@ -110,15 +222,23 @@ def broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor, *, src: int = 0) -> d
 
 
 def close_group(pg: dist.ProcessGroup | None) -> None:
-    """Tear a group down so peers blocked on it fail fast instead of waiting for their timeout."""
+    """Tear a group down so peers blocked on it fail fast instead of waiting for their timeout (for NCCL:
+    abort the communicator, which also frees collectives stuck on a dead peer). Waits at most
+    :data:`CLOSE_WAIT_S`: an abort that hangs (a communicator still joining) is left to its own thread."""
     if pg is None:
         return
-    for method in ("abort", "shutdown"):
-        try:
-            getattr(pg, method)()
-            return
-        except Exception:  # best effort: a broken group may refuse either
-            continue
+
+    def close() -> None:
+        for method in ("abort", "shutdown"):
+            try:
+                getattr(pg, method)()
+                return
+            except Exception:  # best effort: a broken group may refuse either
+                continue
+
+    closer = threading.Thread(target=close, name="weight-sync-close", daemon=True)
+    closer.start()
+    closer.join(CLOSE_WAIT_S)
 
 
 class CollectiveReceive:
@@ -150,6 +270,11 @@ class CollectiveReceive:
     def receive(self, plan, *, timeout_s: float) -> list[torch.Tensor]:
         """Blocking: wait for ``go``, (re)build the group if the epoch changed, receive every bucket."""
         src = plan.collective
+        device = self._device_for(src.backend)
+        if device.type == "cuda":
+            # This runs on a receive thread, whose current device is cuda:0 whatever the loader's is: NCCL
+            # would put the group (and its probe) there, and two ranks on one GPU is an NCCL error.
+            torch.cuda.set_device(device)
         with self.lock:
             host, port = parse_init_method(src.init_method)
             if self._epoch != (src.init_method, src.group_epoch):
@@ -171,9 +296,10 @@ class CollectiveReceive:
                         epoch=src.group_epoch,
                         timeout_s=timeout_s,
                         host=host,
+                        device=device if device.type == "cuda" else None,
                     )
                     self._epoch = (src.init_method, src.group_epoch)
-                flats = self._buffers_for(plan)
+                flats = self._buffers_for(plan, device)
             except Exception:
                 close_group(self._pg)
                 self._pg, self._epoch = None, None
@@ -183,8 +309,8 @@ class CollectiveReceive:
                 # sender never waits for a receiver to ask for the next one; they complete in order.
                 segments = plan_segments(Layout.from_plan(plan), min_bytes=src.segment_min_bytes)
                 works = [broadcast(self._pg, flats[s.bucket][s.start : s.end], src=src.src_rank) for s in segments]
-                for work in works:
-                    work.wait()
+                for work in works:  # each within the deadline of the one before: a dead sender is noticed
+                    wait_work(work, timeout_s=timeout_s, what=f"update {plan.update_id}: receive")
                 return flats
             except Exception:
                 # A broken group is useless for the next update; the sender bumps the epoch anyway.
@@ -196,15 +322,15 @@ class CollectiveReceive:
                 raise
 
     def _device_for(self, backend: str) -> torch.device:
-        # NCCL moves CUDA memory only: its buffers live on this process' current GPU when ``device`` names
-        # none (a loader that did not say where its weights live; the default is the CPU).
-        if backend == "nccl" and self.device.type != "cuda":
+        # NCCL moves CUDA memory only: its buffers live on the current GPU of whoever set ``device`` when that
+        # names none or no index (:meth:`weight_sync.inbox.CollectiveReceiver.start` resolves it on the caller's
+        # thread; here, on the receive thread, the current device is cuda:0 unless set).
+        if backend == "nccl" and (self.device.type != "cuda" or self.device.index is None):
             return torch.device("cuda", torch.cuda.current_device())
         return self.device
 
-    def _buffers_for(self, plan) -> list[torch.Tensor]:
+    def _buffers_for(self, plan, device: torch.device) -> list[torch.Tensor]:
         """A set of receive buffers for this plan's layout that the model does not use as its weights."""
-        device = self._device_for(plan.collective.backend)
         key = (str(device), tuple(int(b.num_bytes) for b in plan.buckets))
         if self._layout != key:
             # A new layout: drop the old sets first (a live one stays alive through the model's parameters).

@@ -88,9 +88,14 @@ class CollectiveReceiver(SourceReceiver):
 
     def start(self, plan: control_pb2.WeightUpdatePlan, *, device: torch.device | None, timeouts: Timeouts) -> None:
         self._receiving.clear()
-        # NCCL receives straight into the loader's device; gloo can only use CPU buffers.
-        nccl = plan.collective.backend == "nccl"
-        self.receive.device = device if nccl and device is not None else torch.device("cpu")
+        # NCCL receives straight into the loader's GPU, else this thread's current one: resolved here, on the
+        # caller's thread, as the receive thread's own current device is cuda:0. Gloo can only use CPU buffers.
+        if plan.collective.backend == "nccl":
+            if device is None or device.type != "cuda" or device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            self.receive.device = device
+        else:
+            self.receive.device = torch.device("cpu")
         self.receive.go_timeout_s = timeouts.go_s
         self._receiving[plan.update_id] = self._pool.submit(self.receive.receive, plan, timeout_s=timeouts.transfer_s)
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from tether.config.weight_sync import FilesystemTransport, GlooTransport, NcclTransport, WeightSyncConfig
 from tether.logs import get_logger
 from tether.v1 import control_pb2
-from weight_sync.collective import broadcast, build_group, check_backend, close_group, go_key
+from weight_sync.collective import broadcast, build_group, check_backend, close_group, go_key, wait_work
 from weight_sync.snapshot import snapshot_dir
 
 log = get_logger(__name__)
@@ -148,8 +148,9 @@ class CollectiveSender(SenderTransport):
                     epoch=self.epoch,
                     timeout_s=self.timeout_s,
                     host=self.host,
+                    device=self.device if self.device.type == "cuda" else None,
                 )
-            except Exception as exc:  # a member that said ready died before joining
+            except Exception as exc:  # a member that said ready died before joining (or never joined)
                 log.warning("weight_sync_group_failed", epoch=self.epoch, error=str(exc))
                 self.members = ()
                 return False
@@ -181,7 +182,8 @@ class CollectiveSender(SenderTransport):
 
     def _wait_oldest(self) -> None:
         work, nbytes, on_done = self._inflight[0]
-        work.wait()
+        # On the CPU, within the deadline (NCCL's own wait() returns at once: a dead receiver would go unseen).
+        wait_work(work, timeout_s=self.timeout_s, what=f"weight-sync send (epoch {self.epoch})")
         self._inflight.popleft()
         self._inflight_now -= nbytes
         if on_done is not None:
