@@ -1,25 +1,30 @@
-"""Learner MFU on one GPU: a Qwen2.5-0.5B-shaped model with random weights, bf16, packed ~4K-token sequences.
+"""Learner MFU on one GPU: a Qwen2.5-0.5B-shaped model with random weights, bf16, packed ~4K-token sequences,
+for the baseline step and each MFU lever alone, then all of them together.
 
-    python bench/learner_mfu.py            # on a GPU machine (deploy/gpu-check.sh runs it)
-    python bench/learner_mfu.py --quick    # a small shape, on CPU too: checks the script, says nothing of MFU
+    python bench/learner_mfu.py                         # the matrix, on a GPU machine (deploy/gpu-check.sh)
+    python bench/learner_mfu.py --levers baseline,all   # some rows only
+    python bench/learner_mfu.py --quick                 # a small shape, on CPU too: checks the script, no MFU
 
-The figure to set against prime-rl's published 11.1 % MFU (Qwen3-0.6B, 16K context, one H100). The step is
-the learner's real one — :class:`learner.trainer.Trainer` on FSDP2 (one rank), remove-padding with the
-varlen attention, dynamic batching by ``max_token_len_per_gpu``, the policy loss, the optimizer — on
-synthetic groups whose sequences are 3.5–4.5K tokens. Model FLOPs per trained token are
-``6·N + 6·L·d·S`` (dense matmuls forward and backward, plus causal attention's score and value products
-at the mean sequence length S; N counts the embedding once, as the model ties it to the LM head); MFU is
-that over the bf16 dense peak of the device (``learner.telemetry.peak_flops``). Steps after one warm-up
-step are timed with CUDA synchronised; the median step and the min–max across steps are printed. Every
-timed step is paired with one that has cuDNN's sdpa kernel off (order alternating), and their ratio is printed
-too: cuDNN plans per shape, and each step's sequences are new lengths.
+The step is the learner's real one — :class:`learner.trainer.Trainer` (remove-padding, dynamic batching by
+``max_token_len_per_gpu``, the policy loss, the optimizer) on synthetic groups whose sequences are 3.5–4.5K
+tokens. The rows (:data:`LEVERS`): ``baseline`` is the learner's configuration before the levers (activation
+checkpointing on, attention split per sequence, one rank a plain module under autocast, eager); each lever
+changes one switch; ``all`` pulls every lever. Each row builds its model afresh, runs warm-up steps (two
+with compile: the first compiles, the second makes lengths dynamic), then ``--steps`` timed steps with CUDA
+synchronised; the median and the min–max over steps are printed. ``baseline`` runs first and again last, so
+drift over the run shows.
+
+MFU two ways, over the device's bf16 dense peak (``learner.telemetry.peak_flops``), N counting the tied
+embedding once: tether's ``6·N + 6·L·d·S`` per token (causal attention's score and value products at the
+mean length S, half of the full square) and prime-rl's ``6·N + 12·L·H·hd·S`` (the full square; prime-rl
+publishes 11.1 % on Qwen3-0.6B at 16K on one H100). Each row is appended to ``--jsonl`` as soon as it ends,
+so a run cut short keeps the rows it finished.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -42,14 +47,30 @@ QWEN25_05B = {
 QUICK = {**QWEN25_05B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 2, "num_key_value_heads": 1}  # fmt: skip
 
+LEVERS: dict[str, dict] = {
+    "baseline": {},
+    "no_checkpointing": {"enable_gradient_checkpointing": False},
+    "torch_varlen": {"varlen_attention": "torch"},
+    "compile": {"use_torch_compile": True},
+    "fsdp_one_rank": {"shard_single_rank": True},
+    "all": {"enable_gradient_checkpointing": False, "varlen_attention": "torch", "use_torch_compile": True,
+            "shard_single_rank": True},
+}  # fmt: skip
+BASELINE = {"enable_gradient_checkpointing": True, "varlen_attention": "split", "use_torch_compile": False,
+            "shard_single_rank": False}  # fmt: skip
+"""The learner's switches before the levers; a row is these with its lever's changes."""
 
-def model_flops_per_token(n_params: int, *, layers: int, hidden: int, seq_len: float) -> float:
-    return 6.0 * n_params + 6.0 * layers * hidden * seq_len
+
+def model_flops_per_token(
+    n_params: int, *, layers: int, hidden: int, seq_len: float, causal_half: bool = True
+) -> float:
+    """tether's count (``causal_half``: ``6·N + 6·L·d·S``) or prime-rl's (``6·N + 12·L·d·S``);
+    ``d`` = heads × head_dim."""
+    return 6.0 * n_params + (6.0 if causal_half else 12.0) * layers * hidden * seq_len
 
 
-def profile_step(trainer, groups, *, cuda: bool) -> None:  # type: ignore[no-untyped-def]
-    """One more step (untimed) under the profiler: where the device time goes, for the next GPU session that
-    has to close the MFU gap from one call's output."""
+def profile_step(trainer, groups, *, cuda: bool, out: Path | None) -> None:  # type: ignore[no-untyped-def]
+    """One more step (untimed) under the profiler: the top kernels by device time, to ``out`` (or stdout)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -59,28 +80,130 @@ def profile_step(trainer, groups, *, cuda: bool) -> None:  # type: ignore[no-unt
         if cuda:
             torch.cuda.synchronize()
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=70))
+    table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70)
+    if out is None:
+        print(table)
+    else:
+        out.write_text(table)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a small shape (runs on CPU; no MFU claim)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps (default 5, quick 2)")
-    p.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
-    p.add_argument("--profile", action="store_true", help="also profile one step (always on a GPU without --quick)")
-    args = p.parse_args(argv)
+def run_row(name: str, args: argparse.Namespace, shape: dict, model_dir: str, device) -> dict:  # type: ignore[no-untyped-def]
+    """Build the model with row ``name``'s switches, warm up, time ``args.steps`` steps; the row's figures."""
+    import gc
 
     import torch
-    import torch.distributed as dist
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from learner.parallelize import load_model, parallelize
     from learner.synthetic import make_groups
     from learner.telemetry import peak_flops
     from learner.trainer import Trainer
     from tether.config import TetherConfig
+
+    cuda = device.type == "cuda"
+    seq = (96, 128) if args.quick else (3584, 4608)  # completion lengths; prompts add 4–12 tokens
+    n_groups, group_size = (2, 2) if args.quick else (2, 4)
+    budget = 1024 if args.quick else 8192
+    switches = {**BASELINE, **LEVERS[name]}
+    if args.quick:  # CPU: no flash kernel, float32
+        switches["varlen_attention"] = (
+            "split" if switches["varlen_attention"] == "torch" else switches["varlen_attention"]
+        )
+    cfg = TetherConfig.model_validate(
+        {
+            "model": {"path": model_dir, "attn_implementation": "sdpa"},
+            "rollout": {"max_tokens": seq[1]},
+            "learner": {
+                "train_batch_size": n_groups,
+                "use_remove_padding": True,
+                "use_dynamic_bsz": True,
+                "max_token_len_per_gpu": budget,
+                "log_prob_max_token_len_per_gpu": budget,
+                "param_dtype": "auto" if args.quick else "bfloat16",
+                "lr": 1e-6,
+                **switches,
+            },
+        }
+    )
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    model = parallelize(load_model(cfg, device), cfg, device)
+    trainer = Trainer(cfg, model, device=device, ref_model=None)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    def batch(seed: int):
+        return make_groups(n_groups, group_size, vocab=shape["vocab_size"], seed=seed, completion_len=seq)
+
+    t_warm = time.perf_counter()
+    for w in range(2 if switches["use_torch_compile"] else 1):
+        trainer.train_step(batch(10_000 + w), version=0)
+    if cuda:
+        torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - t_warm
+    tps, lengths = [], []
+    for s in range(args.steps):
+        groups = batch(s)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = trainer.train_step(groups, version=0)
+        if cuda:
+            torch.cuda.synchronize()
+        tps.append(out["learner/tokens"] / (time.perf_counter() - t0))
+        lengths += [t.prompt_token_ids.shape[0] + t.num_completion_tokens for g in groups for t in g.trajectories]
+    if args.profile_row == name:
+        profile_step(trainer, batch(10_002), cuda=cuda, out=args.profile_out)
+    peak = peak_flops(device)
+    mean_len = statistics.mean(lengths)
+    d = shape["hidden_size"]  # heads × head_dim
+    row = {"row": name, "switches": switches, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+           "params": n_params, "mean_seq_len": mean_len, "steps": args.steps, "warmup_s": warmup_s,
+           "tokens_per_s_median": statistics.median(tps), "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
+           "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}  # fmt: skip
+    for key, half in (("mfu", True), ("mfu_prime_rl", False)):
+        flops = model_flops_per_token(n_params, layers=shape["num_hidden_layers"], hidden=d, seq_len=mean_len,
+                                      causal_half=half)  # fmt: skip
+        row[key] = flops * row["tokens_per_s_median"] / peak if peak else None
+        row[f"{key}_min"] = flops * min(tps) / peak if peak else None
+        row[f"{key}_max"] = flops * max(tps) / peak if peak else None
+    del trainer, model
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def describe(row: dict, base: dict | None) -> str:
+    pct = (lambda x: f"{100 * x:5.1f}%") if row["mfu"] is not None else (lambda x: "   n/a")
+    vs = f"{row['tokens_per_s_median'] / base['tokens_per_s_median']:.2f}x" if base else "  -  "
+    mem = f"{row['peak_memory_gib']:.1f} GiB" if row["peak_memory_gib"] is not None else "-"
+    return (f"{row['row']:<17} {row['tokens_per_s_median']:>9.0f} ({row['tokens_per_s_min']:.0f}–"
+            f"{row['tokens_per_s_max']:.0f})  {vs:>6}  MFU {pct(row['mfu'] or 0)} "
+            f"(prime-rl's {pct(row['mfu_prime_rl'] or 0)})  peak {mem}  warm-up {row['warmup_s']:.0f} s")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a small shape (runs on CPU; no MFU claim)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per row (default 3)")
+    p.add_argument(
+        "--levers", default=",".join(LEVERS), help=f"rows to run, in order (default all: {','.join(LEVERS)})"
+    )
+    p.add_argument("--jsonl", type=Path, default=None, help="append each row's figures to this file as it ends")
+    p.add_argument("--json", type=Path, default=None, help="also write all rows to this file at the end")
+    p.add_argument("--profile-row", default="all", help="profile one more step of this row (default all)")
+    p.add_argument("--profile-out", type=Path, default=None, help="write the profile table here (default stdout)")
+    args = p.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     from tether.redis_server import free_port
 
+    rows = [r.strip() for r in args.levers.split(",") if r.strip()]
+    unknown = [r for r in rows if r not in LEVERS]
+    if unknown:
+        p.error(f"unknown rows {unknown}; known: {', '.join(LEVERS)}")
     cuda = torch.cuda.is_available()
     if not cuda and not args.quick:
         print("learner_mfu: needs a CUDA GPU (MFU is a GPU figure); --quick runs a small shape on the CPU")
@@ -91,96 +214,35 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)  # fmt: skip
     shape = QUICK if args.quick else QWEN25_05B
-    steps = args.steps or (2 if args.quick else 5)
-    seq = (96, 128) if args.quick else (3584, 4608)  # completion lengths; prompts add 4–12 tokens
-    n_groups, group_size = (2, 2) if args.quick else (4, 4)
-    budget = 1024 if args.quick else 8192
+    if rows and rows[0] == "baseline" and len(rows) > 2:
+        rows.append("baseline")  # again last: drift over the run shows
+    results: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         Qwen2ForCausalLM(Qwen2Config(**shape)).save_pretrained(tmp)
-        cfg = TetherConfig.model_validate(
-            {
-                "model": {"path": tmp, "attn_implementation": os.environ.get("BENCH_ATTN", "sdpa")},
-                "rollout": {"max_tokens": seq[1]},
-                "learner": {
-                    "train_batch_size": n_groups,
-                    "use_remove_padding": True,
-                    "use_dynamic_bsz": True,
-                    "max_token_len_per_gpu": budget,
-                    "log_prob_max_token_len_per_gpu": budget,
-                    "param_dtype": "bfloat16",
-                    "enable_gradient_checkpointing": not args.quick,
-                    "lr": 1e-6,
-                },
-            }
-        )
-        model = parallelize(load_model(cfg, device), cfg, device)
-        trainer = Trainer(cfg, model, device=device, ref_model=None)
-        n_params = sum(p.numel() for p in model.parameters())
-
-        def batch(seed: int):
-            return make_groups(n_groups, group_size, vocab=shape["vocab_size"], seed=seed, completion_len=seq)
-
-        # Each timed step runs twice over, on batches of its own: with cuDNN's sdpa kernel allowed (torch's
-        # default, what the learner runs) and with it off, the order alternating. cuDNN plans per shape, and
-        # every step brings new sequence lengths: in the rollout engine that cost 30+ ms a decode step on an
-        # H200; whether the learner pays it too is what the second figure says.
-        for on in (True, False):  # warm-up: allocator growth, kernels' first calls, in both modes
-            torch.backends.cuda.enable_cudnn_sdp(on)
-            trainer.train_step(batch(10_000 + on), version=0)
-        by_mode: dict[bool, list[float]] = {True: [], False: []}  # cuDNN sdpa on / off
-        lengths = []
-        for s in range(steps):
-            for on in (True, False) if s % 2 == 0 else (False, True):
-                torch.backends.cuda.enable_cudnn_sdp(on)
-                groups = batch(2 * s + on)
+        for name in rows:
+            try:
+                row = run_row(name, args, shape, tmp, device)
+            except Exception as e:
+                row = {"row": name, "error": f"{type(e).__name__}: {e}"[:2000]}
+                print(f"{name:<17} FAILED: {row['error']}", flush=True)
                 if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                out = trainer.train_step(groups, version=0)
-                if cuda:
-                    torch.cuda.synchronize()
-                by_mode[on].append(out["learner/tokens"] / (time.perf_counter() - t0))
-                lengths += [
-                    t.prompt_token_ids.shape[0] + t.num_completion_tokens for g in groups for t in g.trajectories
-                ]
-        torch.backends.cuda.enable_cudnn_sdp(True)
-        if args.profile or (cuda and not args.quick):
-            profile_step(trainer, batch(10_002), cuda=cuda)
-        dist.destroy_process_group()
-    per_step_tps = by_mode[True]
-    tps, tps_off = statistics.median(per_step_tps), statistics.median(by_mode[False])
-    off_vs_on = [off / on for off, on in zip(by_mode[False], per_step_tps, strict=True)]
-    flops = model_flops_per_token(n_params, layers=shape["num_hidden_layers"], hidden=shape["hidden_size"],
-                                  seq_len=statistics.mean(lengths))  # fmt: skip
-    peak = peak_flops(device)
-    result = {
-        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "params": n_params,
-        "mean_seq_len": statistics.mean(lengths),
-        "tokens_per_s_median": tps,
-        "tokens_per_s_min": min(per_step_tps),
-        "tokens_per_s_max": max(per_step_tps),
-        "mfu": flops * tps / peak if peak else None,
-        "steps": steps,
-        "tokens_per_s_cudnn_sdpa_off_median": tps_off,
-        "cudnn_sdpa_off_vs_on_median": statistics.median(off_vs_on),
-        "cudnn_sdpa_off_vs_on_min": min(off_vs_on),
-        "cudnn_sdpa_off_vs_on_max": max(off_vs_on),
-    }
-    print(f"model: {n_params / 1e6:.0f}M parameters, sequences {result['mean_seq_len']:.0f} tokens on average")
-    print(f"tokens/s: median {tps:.0f} (min {min(per_step_tps):.0f}, max {max(per_step_tps):.0f}) over {steps} steps")
-    if peak:
-        spread = [flops * x / peak for x in (min(per_step_tps), max(per_step_tps))]
-        print(f"MFU: {100 * result['mfu']:.1f}% (min {100 * spread[0]:.1f}%, max {100 * spread[1]:.1f}%) of "
-              f"{peak / 1e12:.0f} TFLOP/s bf16 — prime-rl publishes 11.1% (Qwen3-0.6B, 16K, one H100)")  # fmt: skip
-    else:
-        print("MFU: not reported (no bf16 peak known for this device)")
-    print(f"cuDNN sdpa off: {tps_off:.0f} tokens/s, {statistics.median(off_vs_on):.2f}x the default "
-          f"(min {min(off_vs_on):.2f}, max {max(off_vs_on):.2f}; pairs of steps, order alternating)")  # fmt: skip
+                    torch.cuda.empty_cache()
+            else:
+                base = next((r for r in results if r["row"] == "baseline" and "error" not in r), None)
+                print(describe(row, base if name != "baseline" else None), flush=True)
+            results.append(row)
+            if args.jsonl:
+                with args.jsonl.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+    dist.destroy_process_group()
+    done = [r for r in results if "error" not in r]
+    if done:
+        print(f"model: {done[0]['params'] / 1e6:.0f}M parameters, sequences {done[0]['mean_seq_len']:.0f} tokens "
+              f"on average, {args.steps} timed steps a row; tokens/s median (min–max), x the baseline")  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    return 0
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0 if len(done) == len(results) else 1
 
 
 if __name__ == "__main__":

@@ -63,9 +63,22 @@ def attn_implementation(cfg: TetherConfig, device: torch.device) -> str:
         _check_flash(impl, device)
         return ulysses.register("flash_attention_2" if impl == "flash_attention_2" else varlen_attention.register())
     if cfg.learner.use_remove_padding and impl in ("sdpa", "eager"):
-        return varlen_attention.register()
+        return varlen_attention.register(varlen_kernel(cfg, device))
     _check_flash(impl, device)
     return impl
+
+
+def varlen_kernel(cfg: TetherConfig, device: torch.device) -> str:
+    """``learner.varlen_attention`` resolved for ``device``: ``torch`` where torch's flash varlen kernel runs
+    (CUDA, torch ≥ 2.10, half-precision compute), else ``split``; ``torch`` set where it cannot run is an error."""
+    want = cfg.learner.varlen_attention
+    runs = varlen_attention.torch_varlen_available(device) and compute_dtype(cfg, device) != torch.float32
+    if want == "torch" and not runs:
+        raise RuntimeError(
+            "learner.varlen_attention: torch needs CUDA, torch >= 2.10 and param_dtype bfloat16 "
+            f"(device {device}, torch {torch.__version__}, param_dtype {cfg.learner.param_dtype}); use split or auto"
+        )
+    return "torch" if want == "torch" or (want == "auto" and runs) else "split"
 
 
 def _check_flash(impl: str, device: torch.device) -> None:
@@ -170,9 +183,11 @@ def parallelize(
         # so dropout inside them (0 in the usual LMs, and it would make log-probs random) stays off.
         for block in decoder_blocks(model):
             block.training = True
+    if lc.use_torch_compile:
+        compile_blocks(model)
     offload = lc.cpu_offload and device.type == "cuda"
     ranks = mesh.size() if mesh is not None else torch.distributed.get_world_size()
-    if not (shard if shard is not None else ranks > 1 or offload):
+    if not (shard if shard is not None else ranks > 1 or offload or lc.shard_single_rank):
         return _unsharded(model, cfg, device, trainable=trainable)
     if mesh is None:
         mesh = init_device_mesh(device.type, (ranks,))
@@ -199,6 +214,15 @@ def parallelize(
         attn=model.config._attn_implementation,
     )
     return model
+
+
+def compile_blocks(model: torch.nn.Module) -> None:
+    """``torch.compile`` each decoder block in place (torchtitan's per-block compile: one graph per block
+    kind, reused by every layer). The varlen attention functions stay outside the graph (they are marked
+    ``torch.compiler.disable``): they split by host lengths, which would be guarded on and recompile per
+    micro-batch."""
+    for block in decoder_blocks(model):
+        block.compile()
 
 
 def _freeze_unless(trainable: bool, model: torch.nn.Module) -> None:

@@ -20,12 +20,23 @@ across sequence boundaries; here the boundaries are explicit.
 
 Splitting uses one ``torch.split`` and one ``torch.cat`` so backward is one gather/scatter, not one
 full-size zero tensor per sequence. GQA runs through sdpa's ``enable_gqa`` (no ``repeat_kv`` copy).
+
+Two kernels sit behind one interface (``learner.varlen_attention``): ``split`` (the above, anywhere) and
+``torch`` (:data:`VARLEN_TORCH`: ``torch.nn.attention.varlen.varlen_attn``, torch ≥ 2.10's flash kernel
+for packed rows — one launch per layer for the whole micro-batch, CUDA only, no flash-attn wheel).
+
+The lengths never come from the device: :func:`cu_seqlens_kwargs` records each micro-batch's lengths
+beside its ``cu_seqlens`` tensor (:func:`host_lengths`), so no layer calls ``.tolist()`` on a CUDA tensor
+— that was one host sync per layer per forward (and again in the recompute of checkpointed blocks).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
+import math
+import weakref
 
 import numpy as np
 import torch
@@ -33,7 +44,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 VARLEN = "tether_varlen"
-"""The ``attn_implementation`` name this module registers."""
+"""The ``attn_implementation`` name of the ``split`` kernel (sdpa per sequence or per equal-length bucket)."""
+VARLEN_TORCH = "tether_varlen_torch"
+"""The ``attn_implementation`` name of the ``torch`` kernel (``torch.nn.attention.varlen.varlen_attn``)."""
+
+_HOST_LENGTHS: dict[int, tuple[weakref.ref, tuple[int, ...]]] = {}
+"""Lengths of the live ``cu_seqlens`` tensors, by their storage address (see :func:`host_lengths`)."""
+_HOST_LENGTHS_KEPT = 64
 
 
 def cu_seqlens_from_position_ids(position_ids: Tensor) -> Tensor:
@@ -59,8 +76,28 @@ def cu_seqlens_kwargs(lengths: list[int], device: torch.device | None = None) ->
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
     cu = cu.to(device) if device is not None else cu
+    _remember(cu, tuple(int(n) for n in lengths))
     longest = max(lengths)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def _remember(cu: Tensor, lengths: tuple[int, ...]) -> None:
+    _HOST_LENGTHS[cu.data_ptr()] = (weakref.ref(cu), lengths)
+    while len(_HOST_LENGTHS) > _HOST_LENGTHS_KEPT:
+        del _HOST_LENGTHS[next(iter(_HOST_LENGTHS))]
+
+
+def host_lengths(cu: Tensor) -> tuple[int, ...] | None:
+    """The lengths :func:`cu_seqlens_kwargs` built ``cu`` from, or None for a tensor it did not build.
+
+    Keyed by the storage address, and valid only while the tensor it was built for is alive: two live
+    tensors never share an address, so ``cu`` is then that tensor or a view of it (torch.compile may hand
+    the attention function another Python object for the same storage). A dead one's entry is ignored.
+    """
+    found = _HOST_LENGTHS.get(cu.data_ptr())
+    if found is None or found[0]() is None or len(found[1]) != cu.shape[0] - 1:
+        return None
+    return found[1]
 
 
 def varlen_sdpa(query: Tensor, key: Tensor, value: Tensor, lengths: list[int], *, scale: float | None) -> Tensor:
@@ -148,16 +185,21 @@ def length_buckets(lengths: tuple[int, ...], device: torch.device) -> tuple[Tens
 
 def _lengths(query: Tensor, kwargs: dict) -> list[int]:
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is None and kwargs.get("position_ids") is not None:
-        cu = cu_seqlens_from_position_ids(kwargs["position_ids"])
-    if cu is None:
-        return [query.shape[2]]
-    cu = cu.tolist()
-    if cu[-1] != query.shape[2]:
-        raise ValueError(f"cu_seq_lens_q ends at {cu[-1]} but the packed row has {query.shape[2]} tokens")
-    return [b - a for a, b in itertools.pairwise(cu)]
+    known = host_lengths(cu) if cu is not None else None
+    if known is not None:
+        lengths = list(known)
+    else:  # boundaries the learner did not build: read from the device (one host sync)
+        if cu is None and kwargs.get("position_ids") is not None:
+            cu = cu_seqlens_from_position_ids(kwargs["position_ids"])
+        if cu is None:
+            return [query.shape[2]]
+        lengths = [b - a for a, b in itertools.pairwise(cu.tolist())]
+    if sum(lengths) != query.shape[2]:
+        raise ValueError(f"cu_seq_lens_q covers {sum(lengths)} tokens but the packed row has {query.shape[2]}")
+    return lengths
 
 
+@torch.compiler.disable
 def varlen_attention_forward(
     module: torch.nn.Module,
     query: Tensor,
@@ -171,6 +213,19 @@ def varlen_attention_forward(
     **kwargs,
 ) -> tuple[Tensor, None]:
     """transformers attention-function signature; returns ``([B, T, H, D], None)`` like sdpa's."""
+    _refuse(attention_mask, dropout, sliding_window, softcap, kwargs)
+    if query.shape[0] == 1:
+        out = varlen_sdpa(query, key, value, _lengths(query, kwargs), scale=scaling)
+    else:
+        # Several rows (a dummy or right-padded batch): causal attention per row needs no mask because
+        # right padding only ever follows the real tokens.
+        out = causal_attention(query, key, value, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _refuse(
+    attention_mask: Tensor | None, dropout: float, sliding_window: int | None, softcap: float | None, kwargs: dict
+) -> None:
     if attention_mask is not None:
         raise ValueError(
             f"{VARLEN} attention got an attention mask; it serves packed rows (no mask, restarting position "
@@ -183,18 +238,96 @@ def varlen_attention_forward(
         )
     if dropout:
         raise NotImplementedError(f"{VARLEN} attention has no dropout; set the model's attention_dropout to 0")
-    if query.shape[0] == 1:
+
+
+def torch_varlen_available(device: torch.device) -> bool:
+    """Whether ``torch.nn.attention.varlen.varlen_attn`` exists in this torch and can run on ``device``."""
+    return device.type == "cuda" and _torch_varlen() is not None
+
+
+@functools.cache
+def _torch_varlen():  # type: ignore[no-untyped-def]
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None
+    return varlen_attn
+
+
+@functools.cache
+def _torch_varlen_params() -> frozenset[str]:
+    return frozenset(inspect.signature(_torch_varlen()).parameters)
+
+
+def torch_varlen_sdpa(
+    query: Tensor, key: Tensor, value: Tensor, cu: Tensor, longest: int, *, scale: float | None
+) -> Tensor:
+    """:func:`varlen_sdpa` through torch's flash varlen kernel: one launch for the whole packed row.
+
+    The same shapes in and out (``[1, H, T, D]``); ``cu``: int32 ``[S + 1]`` boundaries on the query's device,
+    ``longest`` the longest sequence. torch 2.10 spells causal ``is_causal=True`` and has no
+    ``scale`` or ``enable_gqa``; later releases take ``window_size=(-1, 0)``, ``scale`` and ``enable_gqa``.
+    Where the kernel lacks them, key/value heads are repeated and a non-default scale is folded into the query.
+    """
+    params = _torch_varlen_params()
+    dtype = query.dtype
+    if torch.is_autocast_enabled(query.device.type):  # rotary made q/k float32; the flash kernel wants half
+        dtype = torch.get_autocast_dtype(query.device.type)
+    q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # [T, H, D]
+    kwargs: dict = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    if scale is not None:
+        if "scale" in params:
+            kwargs["scale"] = scale
+        else:
+            q = q * (scale * math.sqrt(q.shape[-1]))
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    out = _torch_varlen()(q, k, v, cu, cu, longest, longest, **kwargs)
+    return out.transpose(0, 1).unsqueeze(0)
+
+
+@torch.compiler.disable
+def varlen_torch_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """:func:`varlen_attention_forward` with :func:`torch_varlen_sdpa` for packed rows."""
+    _refuse(attention_mask, dropout, sliding_window, softcap, kwargs)
+    if query.shape[0] == 1 and query.device.type == "cuda":
+        lengths = _lengths(query, kwargs)
+        cu = kwargs.get("cu_seq_lens_q")
+        if cu is None:
+            cu = cu_seqlens_kwargs(lengths, query.device)["cu_seq_lens_q"]
+        out = torch_varlen_sdpa(query, key, value, cu.to(torch.int32), max(lengths), scale=scaling)
+    elif query.shape[0] == 1:
         out = varlen_sdpa(query, key, value, _lengths(query, kwargs), scale=scaling)
     else:
-        # Several rows (a dummy or right-padded batch): causal attention per row needs no mask because
-        # right padding only ever follows the real tokens.
         out = causal_attention(query, key, value, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
-def register() -> str:
-    """Register :func:`varlen_attention_forward` with transformers (idempotent); returns its name."""
+def register(kernel: str = "split") -> str:
+    """Register the attention function of ``kernel`` (``split`` or ``torch``) with transformers
+    (idempotent); returns its ``attn_implementation`` name."""
     from transformers import AttentionInterface
 
+    if kernel == "torch":
+        AttentionInterface.register(VARLEN_TORCH, varlen_torch_attention_forward)
+        return VARLEN_TORCH
     AttentionInterface.register(VARLEN, varlen_attention_forward)
     return VARLEN

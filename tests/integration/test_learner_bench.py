@@ -37,18 +37,21 @@ def test_bench_quick_reports_three_layout_figures(tmp_path: Path) -> None:
 
 
 def test_mfu_bench_quick_runs_on_cpu_and_refuses_a_full_run_without_a_gpu(tmp_path: Path) -> None:
+    """The matrix's script on a small shape: each row appended as it ends, both MFU formulas' keys (None on
+    a CPU: no claim), the baseline again last; a full run refuses without a GPU."""
     root = Path(__file__).resolve().parents[2]
     script = str(root / "bench" / "learner_mfu.py")
-    out = tmp_path / "mfu.json"
-    proc = subprocess.run([sys.executable, script, "--quick", "--json", str(out)], capture_output=True, text=True,
-                          timeout=240)  # fmt: skip
+    out = tmp_path / "mfu.jsonl"
+    proc = subprocess.run([sys.executable, script, "--quick", "--steps", "1", "--levers",
+                           "baseline,no_checkpointing,fsdp_one_rank", "--jsonl", str(out), "--profile-row", "none"],
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"tokens/s: median \d+", proc.stdout)
-
-    figures = json.loads(out.read_text())
-    assert figures["tokens_per_s_median"] > 0 and figures["mfu"] is None  # no MFU claim on a CPU
-    lo, mid, hi = (figures[f"cudnn_sdpa_off_vs_on_{k}"] for k in ("min", "median", "max"))
-    assert 0 < lo <= mid <= hi  # each step paired with one without cuDNN's sdpa (a no-op on the CPU)
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["row"] for r in rows] == ["baseline", "no_checkpointing", "fsdp_one_rank", "baseline"]
+    for r in rows:
+        assert r["tokens_per_s_median"] > 0 and r["mfu"] is None and r["mfu_prime_rl"] is None
+    assert rows[1]["switches"]["enable_gradient_checkpointing"] is False
+    assert re.search(r"no_checkpointing +\d+ \(\d+–\d+\) +\d+\.\d+x", proc.stdout), proc.stdout
     import torch
 
     if not torch.cuda.is_available():

@@ -105,6 +105,21 @@ class LearnerConfig(Section):
     use_liger: bool = False
     """Use Liger kernels (GPU, package liger-kernel)."""
 
+    varlen_attention: Literal["auto", "split", "torch"] = "auto"
+    """The attention kernel of packed rows (``use_remove_padding`` with ``model.attn_implementation`` sdpa
+    or eager): ``split`` runs sdpa per sequence (or per run of equal lengths), anywhere; ``torch`` runs torch's
+    flash varlen kernel (``torch.nn.attention.varlen``, torch ≥ 2.10, CUDA, bf16/fp16 compute) — one launch
+    per layer for the whole micro-batch; ``auto``: ``torch`` where it can run, else ``split``."""
+
+    use_torch_compile: bool = False
+    """Compile each decoder block with ``torch.compile`` (torchtitan's per-block compile; the attention call
+    stays outside the graph). The first steps pay the compile; sequence lengths become dynamic after one
+    recompile."""
+
+    shard_single_rank: bool = False
+    """Wrap the model in FSDP2 on one rank too (bf16 copies of the weights made once per block per pass by
+    FSDP2's mixed precision), instead of a plain module under autocast (weights re-cast at every matmul)."""
+
     entropy_from_logits_with_chunking: bool = True
     """Compute entropy over the vocabulary in chunks so the [tokens, vocab] peak stays bounded."""
 
