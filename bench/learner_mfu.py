@@ -129,6 +129,7 @@ def run_row(name: str, args: argparse.Namespace, shape: dict, model_dir: str, de
     model = parallelize(load_model(cfg, device), cfg, device)
     trainer = Trainer(cfg, model, device=device, ref_model=None)
     n_params = sum(p.numel() for p in model.parameters())
+    extra = trainer.extra_forward_passes  # forward-only passes (proximal, reference): 2·N per token each
 
     def batch(seed: int):
         return make_groups(n_groups, group_size, vocab=shape["vocab_size"], seed=seed, completion_len=seq)
@@ -156,12 +157,14 @@ def run_row(name: str, args: argparse.Namespace, shape: dict, model_dir: str, de
     mean_len = statistics.mean(lengths)
     d = shape["hidden_size"]  # heads × head_dim
     row = {"row": name, "switches": switches, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-           "params": n_params, "mean_seq_len": mean_len, "steps": args.steps, "warmup_s": warmup_s,
+           "params": n_params, "extra_forward_passes": extra, "mean_seq_len": mean_len, "steps": args.steps,
+           "warmup_s": warmup_s,
            "tokens_per_s_median": statistics.median(tps), "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}  # fmt: skip
     for key, half in (("mfu", True), ("mfu_prime_rl", False)):
         flops = model_flops_per_token(n_params, layers=shape["num_hidden_layers"], hidden=d, seq_len=mean_len,
                                       causal_half=half)  # fmt: skip
+        flops += 2.0 * n_params * extra
         row[key] = flops * row["tokens_per_s_median"] / peak if peak else None
         row[f"{key}_min"] = flops * min(tps) / peak if peak else None
         row[f"{key}_max"] = flops * max(tps) / peak if peak else None

