@@ -135,13 +135,34 @@ def build_group(
     an NCCL group runs on (default: the calling thread's current one)."""
     check_backend(backend)
     prefixed = dist.PrefixStore(f"tether/weight_sync/epoch{epoch}/", store)
+    what = f"weight-sync {backend} group (rank {rank} of {world_size})"
     if backend == "gloo":
-        # Gloo's constructor waits for the peers on the store with this timeout, on this thread.
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = _timeout(timeout_s)
         opts._devices = [_gloo_device(host)]
         opts._threads = GLOO_THREADS
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
+        # Gloo's constructor bounds its store waits, not its connections: a peer frozen half-way through
+        # the mesh (its process stopped, its sockets open) would hold this thread for good.
+        built: list[dist.ProcessGroup | None] = []
+        late = threading.Lock()
+
+        def construct() -> None:
+            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
+            with late:
+                built.append(pg)
+                abandoned = built[0] is None
+            if abandoned:  # built after the caller gave up: nobody else would close it
+                close_group(pg)
+
+        try:
+            run_with_deadline(construct, timeout_s=timeout_s, what=what)
+        except StageTimeout:
+            with late:
+                built.insert(0, None)
+            raise
+        group = built[0]
+        assert group is not None
+        return group
     gpu = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     opts = dist.ProcessGroupNCCL.Options()
     # The group's own timeout only bounds what the watchdog reports; the deadlines are kept here, first.
@@ -157,7 +178,7 @@ def build_group(
         wait_work(pg.allreduce([probe]), timeout_s=timeout_s, what="weight-sync group probe")
 
     try:
-        run_with_deadline(join, timeout_s=timeout_s, what=f"weight-sync NCCL group (rank {rank} of {world_size})")
+        run_with_deadline(join, timeout_s=timeout_s, what=what)
     except BaseException:
         close_group(pg)
         raise
