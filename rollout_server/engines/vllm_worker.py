@@ -25,8 +25,11 @@ is the same layerwise reload that ``reload_weights`` runs.
 With ``model.lora`` (``lora_scale`` > 0) an update holds adapter tensors only: the worker reloads the
 whole model from ``model.path``'s safetensors with the adapted weights merged (``weight_sync.lora``).
 
-Limitation: with ``tensor_parallel_size > 1`` each worker would need its own rank in the group; the plan
-carries one rank per server, so collective transports support TP=1 and larger TP uses ``filesystem``.
+Limitation: with ``tensor_parallel_size > 1`` (or pipeline parallelism) each worker would need its own rank
+in the weight-sync group, but a plan carries one rank per server: every worker would join under the same
+rank. So a collective plan is refused by such an engine (:func:`check_weight_group`, in ``tether_prepare``,
+before anything joins), and the engine can refuse the configuration at startup with the same function;
+larger TP uses the ``filesystem`` or ``store`` transport (each worker reads the full tensors on its own).
 """
 
 from __future__ import annotations
@@ -47,6 +50,21 @@ from weight_sync.inbox import Inbox, Incoming, Timeouts, snapshot
 from weight_sync.loading import Tally
 from weight_sync.lora import merged_checkpoint
 
+COLLECTIVE_TRANSPORTS = ("nccl", "gloo")
+
+
+def check_weight_group(transport: str, *, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> None:
+    """Refuse a collective weight transport on an engine of more than one worker (ValueError, saying what to
+    use): its workers would all join the weight-sync group under the server's one rank."""
+    workers = int(tensor_parallel_size) * int(pipeline_parallel_size)
+    if transport in COLLECTIVE_TRANSPORTS and workers > 1:
+        raise ValueError(
+            f"weight_sync.transport.type {transport} cannot feed a vLLM engine of {workers} workers "
+            f"(tensor_parallel_size {tensor_parallel_size}, pipeline_parallel_size {pipeline_parallel_size}): "
+            "a weight update plan gives each server one rank in the group, and every worker would join under "
+            "it. Use weight_sync.transport.type: filesystem or store, or tensor_parallel_size: 1"
+        )
+
 
 class WeightSyncWorker:
     """Mixed into vLLM's ``Worker``: ``self.model_runner``, ``self.device`` and ``self.vllm_config`` come from vLLM."""
@@ -59,6 +77,13 @@ class WeightSyncWorker:
 
     def tether_prepare(self, plan_bytes: bytes, transfer_timeout_s: float, go_timeout_s: float) -> bool:
         plan = control_pb2.WeightUpdatePlan.FromString(plan_bytes)
+        if plan.WhichOneof("source") == "collective":
+            parallel = self.vllm_config.parallel_config
+            check_weight_group(
+                plan.collective.backend,
+                tensor_parallel_size=getattr(parallel, "tensor_parallel_size", 1),
+                pipeline_parallel_size=getattr(parallel, "pipeline_parallel_size", 1),
+            )
         device = torch.device(getattr(self, "device", "cpu"))
         self._tether_inbox().start(
             plan, device=device, timeouts=Timeouts(transfer_s=transfer_timeout_s, go_s=go_timeout_s)
