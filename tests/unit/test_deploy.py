@@ -227,6 +227,31 @@ def test_dockerfile_copies_exist_and_layers_are_cached(dockerfile: str) -> None:
         assert f"!{src}" in patterns or f"!{src.rstrip('/')}/" in patterns, f"{dockerfile}: COPY {src} not let in"
 
 
+def _stages(dockerfile: str) -> list[str]:
+    """The Dockerfile's stages, each the text from its ``FROM`` to the next (continuation lines joined)."""
+    text = (DEPLOY / dockerfile).read_text().replace("\\\n", " ")
+    return re.split(r"^FROM\s", text, flags=re.MULTILINE)[1:]
+
+
+def _apt_packages(stage: str) -> set[str]:
+    words = {w for m in re.finditer(r"apt-get install ([^&\n]*)", stage) for w in m.group(1).split()}
+    return {w for w in words if not w.startswith("-")}
+
+
+def test_gpu_runtime_image_can_compile_triton_kernels() -> None:
+    """Triton (vLLM's kernels, torch.compile) compiles a C launcher per kernel when it first runs one: the
+    image that runs tether — the last stage, not the build stage — needs a C compiler and Python.h, else
+    the first kernel fails with "Failed to find C compiler"."""
+    runtime = _stages("Dockerfile.gpu")[-1]
+    assert "runtime" in runtime.split()[0], "the last stage is the CUDA runtime image tether runs in"
+    packages = _apt_packages(runtime)
+    assert packages & {"gcc", "clang", "build-essential"}, f"no C compiler in the runtime stage: {sorted(packages)}"
+    assert any(re.fullmatch(r"(lib)?python3(\.\d+)?-dev", p) for p in packages), (
+        f"no Python headers (python3-dev) in the runtime stage: {sorted(packages)}"
+    )
+    assert packages & {"libc6-dev", "build-essential"}, "the compiler needs the C library's headers"
+
+
 def test_cpu_image_pins_cpu_torch() -> None:
     text = (DEPLOY / "Dockerfile.cpu").read_text()
     assert "python:3.11-slim" in text
