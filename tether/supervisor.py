@@ -120,10 +120,19 @@ class Supervisor:
                 return child
         return None
 
-    def wait(self, *, on_tick: Callable[[], None] | None = None, tick_s: float = 1.0) -> int:
-        """Block until a primary child exits 0 (returns 0) or any child fails (raises ChildFailed)."""
+    def wait(
+        self,
+        *,
+        on_tick: Callable[[], None] | None = None,
+        tick_s: float = 1.0,
+        until: Callable[[], bool] | None = None,
+    ) -> int:
+        """Block until a primary child exits 0 (returns 0) or any child fails (raises ChildFailed); with
+        ``until``, also return 0 as soon as it answers True (restarts and failures are handled meanwhile)."""
         next_tick = time.monotonic()
         while True:
+            if until is not None and until():
+                return 0
             for child in list(self.children):
                 if child.restart_at is not None:
                     if time.monotonic() >= child.restart_at:

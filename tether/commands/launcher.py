@@ -1,18 +1,18 @@
 """Launch commands for each process, and ``tether up``: the whole loop on one machine.
 
-``tether up`` resolves the config (a fresh run id unless one is given), writes it to the run folder,
-starts the embedded Redis when ``buffer.redis_url`` is empty, then the learner under torchrun and
-``rollout.num_servers`` rollout servers, each logging JSON lines to ``{run}/logs/<name>.log`` (what
-they print goes to ``<name>.out``). It returns when the learner finishes. Ctrl-C, SIGTERM or a crashed
-child stop everything the same way (no orphan processes): the children get SIGTERM, so the learner
-finishes its step and checkpoints; then the books and the plot are written and the embedded Redis saves
-its data in the run folder, so ``tether up --resume`` continues where the run stopped. A learner that gave
-up where a restart cannot help (its dataset does not fit the config; the run cannot train,
-``learner.stuck_timeout_s``) is not restarted: the run ends at once, exit code 1, with a
-``tether: error:`` line saying why and the setting to check. The console
-(:mod:`tether.commands.console`) reports on a terminal or a pipe alike, says in one line what keeps a run from
-training (:class:`buffer.health.RunWatch`, plus a check of a remote reward service before the start),
-and every ending closes with a summary.
+``tether up`` resolves the config (a fresh run id unless one is given), writes it to the run folder, starts
+the embedded Redis when ``buffer.redis_url`` is empty, then the learner under torchrun and
+``rollout.num_servers`` rollout servers (on a GPU they share, the servers first: :func:`start_children`), each
+logging JSON lines to ``{run}/logs/<name>.log`` (what they print goes to ``<name>.out``). It returns when the
+learner finishes. Ctrl-C, SIGTERM or a crashed child stop everything the same way (no orphan processes): the
+children get SIGTERM, so the learner finishes its step and checkpoints; then the books and the plot are
+written and the embedded Redis saves its data in the run folder, so ``tether up --resume`` continues where the
+run stopped. A learner that gave up where a restart cannot help (its dataset does not fit the config; the run
+cannot train, ``learner.stuck_timeout_s``) is not restarted: the run ends at once, exit code 1, with a
+``tether: error:`` line saying why and the setting to check. The console (:mod:`tether.commands.console`)
+reports on a terminal or a pipe alike, says in one line what keeps a run from training
+(:class:`buffer.health.RunWatch`, plus a check of a remote reward service before the start), and every ending
+closes with a summary.
 """
 
 from __future__ import annotations
@@ -189,14 +189,17 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
         env = {**thread_env(cfg, "learner"), **gpus.learner_env}
         # A learner that dies comes back from its last checkpoint; Redis (still up) keeps what it had not trained.
         again = learner_command(cfg, resume=True, redis_url=url if embedded else "")
-        supervisor.start(ChildSpec("learner", learner, paths.console_file("learner"), env=env, primary=True,
-                                   restartable=True, restart_cmd=again, gave_up=lambda: gave_up(paths)))  # fmt: skip
+        learner_spec = ChildSpec("learner", learner, paths.console_file("learner"), env=env, primary=True,
+                                 restartable=True, restart_cmd=again, gave_up=lambda: gave_up(paths))  # fmt: skip
         env = thread_env(cfg, "rollout")
+        servers = []
         for i in range(cfg.rollout.num_servers):
             name = f"rollout-{i}"
             cmd = rollout_command(cfg, index=i, redis_url=url if embedded else "")
-            spec = ChildSpec(name, cmd, paths.console_file(name), env={**env, **gpus.rollout_envs[i]}, restartable=True)
-            supervisor.start(spec)
+            servers.append(
+                ChildSpec(name, cmd, paths.console_file(name), env={**env, **gpus.rollout_envs[i]}, restartable=True)
+            )
+        start_children(supervisor, learner_spec, servers, colocated=gpus.shared, redis_cfg=_with_redis(cfg, url))
         from buffer.health import RunWatch
         from tether.commands.console import ProgressLine
         from tether.commands.watchdog import Watchdog
@@ -239,6 +242,57 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
 
         for line in summary_lines(cfg, paths, outcome=outcome, started=started):
             print(f"tether: {line}", flush=True)
+
+
+def start_children(
+    supervisor: Supervisor,
+    learner: ChildSpec,
+    servers: list[ChildSpec],
+    *,
+    colocated: bool,
+    redis_cfg: TetherConfig,
+) -> None:
+    """Start the learner and the rollout servers. On a GPU they share (:attr:`DevicePlan.shared`) the servers go
+    first and the learner waits until each has registered — its engine loaded: vLLM sizes its KV cache by
+    profiling the GPU's memory on the assumption that nothing else allocates meanwhile, and refuses to start
+    when less than its share is free, so a learner loading beside it would make vLLM's start fail or guess
+    wrong. A server that dies while loading is restarted or ends the run as at any other time."""
+    if not colocated:
+        supervisor.start(learner)
+        for spec in servers:
+            supervisor.start(spec)
+        return
+    from buffer import RedisKeys
+    from buffer.registry import ServerRegistry
+    from tether.redis_server import connect_redis
+
+    client = connect_redis(redis_cfg.buffer.redis_url, timeout_s=3.0)
+    registry = ServerRegistry(client, RedisKeys(redis_cfg.run.run_id or ""))
+    names = {spec.name for spec in servers}
+    try:
+        for name in names:  # an entry an earlier lifetime left (a resumed run) is not this server's readiness
+            registry.remove(name)
+        for spec in servers:
+            supervisor.start(spec)
+        print(
+            f"tether: the learner shares a GPU with {', '.join(sorted(names))}: it starts once their engines "
+            "have loaded (vLLM measures the GPU's free memory while it loads)",
+            flush=True,
+        )
+
+        def ready() -> bool:
+            if not names <= {child.spec.name for child in supervisor.children}:
+                return True  # one finished its job (exit 0) before it ever served: nothing left to wait for
+            try:
+                return names <= {info.server_id for info in registry.live()}
+            except Exception:  # Redis busy for a moment: ask again on the next tick
+                return False
+
+        supervisor.wait(until=ready)
+    finally:
+        client.close()
+    log.info("colocated_servers_ready", servers=sorted(names))
+    supervisor.start(learner)
 
 
 def preflight_warnings(cfg: TetherConfig) -> list[str]:
