@@ -9,7 +9,9 @@ The step is the learner's real one — :class:`learner.trainer.Trainer` (remove-
 ``max_token_len_per_gpu``, the policy loss, the optimizer) on synthetic groups whose sequences are 3.5–4.5K
 tokens. The rows (:data:`LEVERS`): ``baseline`` is the learner's configuration before the levers (activation
 checkpointing on, attention split per sequence, one rank a plain module under autocast, eager); each lever
-changes one switch; ``all`` pulls every lever. Each row builds its model afresh, runs warm-up steps (two
+changes one switch; ``all`` pulls every lever (more combinations by name). On a GPU an untimed baseline
+row runs first (the first model on a device ran at half the speed of the same row run last). Each row builds
+its model afresh, runs warm-up steps (two
 with compile: the first compiles, the second makes lengths dynamic), then ``--steps`` timed steps with CUDA
 synchronised; the median and the min–max over steps are printed. ``baseline`` runs first and again last, so
 drift over the run shows.
@@ -55,7 +57,15 @@ LEVERS: dict[str, dict] = {
     "fsdp_one_rank": {"shard_single_rank": True},
     "all": {"enable_gradient_checkpointing": False, "varlen_attention": "torch", "use_torch_compile": True,
             "shard_single_rank": True},
+    # combinations, for --levers
+    "nockpt_varlen": {"enable_gradient_checkpointing": False, "varlen_attention": "torch"},
+    "nockpt_varlen_16k": {"enable_gradient_checkpointing": False, "varlen_attention": "torch",
+                          "max_token_len_per_gpu": 16384, "log_prob_max_token_len_per_gpu": 16384},
+    "nockpt_varlen_16k_compile": {"enable_gradient_checkpointing": False, "varlen_attention": "torch",
+                                  "max_token_len_per_gpu": 16384, "log_prob_max_token_len_per_gpu": 16384,
+                                  "use_torch_compile": True},
 }  # fmt: skip
+DEFAULT_ROWS = ["baseline", "no_checkpointing", "torch_varlen", "compile", "fsdp_one_rank", "all"]
 BASELINE = {"enable_gradient_checkpointing": True, "varlen_attention": "split", "use_torch_compile": False,
             "shard_single_rank": False}  # fmt: skip
 """The learner's switches before the levers; a row is these with its lever's changes."""
@@ -223,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         Qwen2ForCausalLM(Qwen2Config(**shape)).save_pretrained(tmp)
+        if cuda:  # the first model on a device pays for kernels' first loads and the allocator's growth
+            t0 = time.perf_counter()
+            run_row("baseline", argparse.Namespace(**{**vars(args), "steps": 1, "profile_row": ""}), shape, tmp, device)
+            print(f"warm-up row (baseline, discarded): {time.perf_counter() - t0:.0f} s", flush=True)
         for name in rows:
             try:
                 row = run_row(name, args, shape, tmp, device)

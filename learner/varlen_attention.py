@@ -306,9 +306,11 @@ def varlen_torch_attention_forward(
     softcap: float | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """:func:`varlen_attention_forward` with :func:`torch_varlen_sdpa` for packed rows."""
+    """:func:`varlen_attention_forward` with :func:`torch_varlen_sdpa` for packed rows in half precision (the
+    flash kernel has no float32: a float32 model, as a test or a reference pass may run, gets the split kernel)."""
     _refuse(attention_mask, dropout, sliding_window, softcap, kwargs)
-    if query.shape[0] == 1 and query.device.type == "cuda":
+    half = query.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(query.device.type)
+    if query.shape[0] == 1 and query.device.type == "cuda" and half:
         lengths = _lengths(query, kwargs)
         cu = kwargs.get("cu_seq_lens_q")
         if cu is None:
