@@ -69,16 +69,16 @@ def attn_implementation(cfg: TetherConfig, device: torch.device) -> str:
 
 
 def varlen_kernel(cfg: TetherConfig, device: torch.device) -> str:
-    """``learner.varlen_attention`` resolved for ``device``: ``torch`` where torch's flash varlen kernel runs
-    (CUDA, torch ≥ 2.10, half-precision compute), else ``split``; ``torch`` set where it cannot run is an error."""
+    """``learner.varlen_attention``, refused where it cannot run: ``torch`` needs CUDA, torch ≥ 2.10 and
+    half-precision compute."""
     want = cfg.learner.varlen_attention
     runs = varlen_attention.torch_varlen_available(device) and compute_dtype(cfg, device) != torch.float32
     if want == "torch" and not runs:
         raise RuntimeError(
             "learner.varlen_attention: torch needs CUDA, torch >= 2.10 and param_dtype bfloat16 "
-            f"(device {device}, torch {torch.__version__}, param_dtype {cfg.learner.param_dtype}); use split or auto"
+            f"(device {device}, torch {torch.__version__}, param_dtype {cfg.learner.param_dtype}); use split"
         )
-    return "torch" if want == "torch" or (want == "auto" and runs) else "split"
+    return want
 
 
 def _check_flash(impl: str, device: torch.device) -> None:

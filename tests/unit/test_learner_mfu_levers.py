@@ -82,7 +82,7 @@ def test_compiled_blocks_give_the_eager_step(one_rank: None, model_dir: Path) ->
     _assert_same_step(got, ref, rtol=1e-4)
 
 
-def test_the_torch_kernel_is_refused_where_it_cannot_run_and_auto_falls_back(tmp_path: Path) -> None:
+def test_the_torch_kernel_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
     from learner.parallelize import varlen_kernel
 
     cpu = torch.device("cpu")
