@@ -9,7 +9,8 @@ The step is the learner's real one — :class:`learner.trainer.Trainer` (remove-
 ``max_token_len_per_gpu``, the policy loss, the optimizer) on synthetic groups whose sequences are 3.5–4.5K
 tokens. The rows (:data:`LEVERS`): ``baseline`` is the learner's configuration before the levers (activation
 checkpointing on, attention split per sequence, one rank a plain module under autocast, eager); each lever
-changes one switch; ``all`` pulls every lever (more combinations by name). On a GPU an untimed baseline
+changes one switch; ``all`` pulls every lever; ``best`` and ``best_fused`` stack the ones that paid on an
+H200 (no checkpointing, 16K-token micro-batches, compile; then the fused LM head). On a GPU an untimed baseline
 row runs first (the first model on a device ran at half the speed of the same row run last). Each row builds
 its model afresh, runs warm-up steps (two
 with compile: the first compiles, the second makes lengths dynamic), then ``--steps`` timed steps with CUDA
@@ -49,25 +50,29 @@ QWEN25_05B = {
 QUICK = {**QWEN25_05B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 2, "num_key_value_heads": 1}  # fmt: skip
 
+_BIG = {"max_token_len_per_gpu": 16384, "log_prob_max_token_len_per_gpu": 16384}
 LEVERS: dict[str, dict] = {
     "baseline": {},
     "no_checkpointing": {"enable_gradient_checkpointing": False},
     "torch_varlen": {"varlen_attention": "torch"},
     "compile": {"use_torch_compile": True},
     "fsdp_one_rank": {"shard_single_rank": True},
+    "fused_lm_head": {"use_fused_kernels": True},
     "all": {"enable_gradient_checkpointing": False, "varlen_attention": "torch", "use_torch_compile": True,
-            "shard_single_rank": True},
-    # combinations, for --levers
+            "shard_single_rank": True, "use_fused_kernels": True},
+    # the stacks that paid on an H200 (2026-11-27), for --levers and the default matrix
     "nockpt_varlen": {"enable_gradient_checkpointing": False, "varlen_attention": "torch"},
-    "nockpt_varlen_16k": {"enable_gradient_checkpointing": False, "varlen_attention": "torch",
-                          "max_token_len_per_gpu": 16384, "log_prob_max_token_len_per_gpu": 16384},
+    "nockpt_varlen_16k": {"enable_gradient_checkpointing": False, "varlen_attention": "torch", **_BIG},
     "nockpt_varlen_16k_compile": {"enable_gradient_checkpointing": False, "varlen_attention": "torch",
-                                  "max_token_len_per_gpu": 16384, "log_prob_max_token_len_per_gpu": 16384,
-                                  "use_torch_compile": True},
+                                  "use_torch_compile": True, **_BIG},
+    "best": {"enable_gradient_checkpointing": False, "use_torch_compile": True, **_BIG},
+    "best_fused": {"enable_gradient_checkpointing": False, "use_torch_compile": True, "use_fused_kernels": True,
+                   **_BIG},
 }  # fmt: skip
-DEFAULT_ROWS = ["baseline", "no_checkpointing", "torch_varlen", "compile", "fsdp_one_rank", "all"]
+DEFAULT_ROWS = ["baseline", "no_checkpointing", "torch_varlen", "compile", "fsdp_one_rank", "fused_lm_head", "best",
+                "best_fused"]  # fmt: skip
 BASELINE = {"enable_gradient_checkpointing": True, "varlen_attention": "split", "use_torch_compile": False,
-            "shard_single_rank": False}  # fmt: skip
+            "shard_single_rank": False, "use_fused_kernels": False}  # fmt: skip
 """The learner's switches before the levers; a row is these with its lever's changes."""
 
 
@@ -199,11 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a small shape (runs on CPU; no MFU claim)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per row (default 3)")
     p.add_argument(
-        "--levers", default=",".join(LEVERS), help=f"rows to run, in order (default all: {','.join(LEVERS)})"
+        "--levers", default=",".join(DEFAULT_ROWS), help=f"rows to run, in order (known: {','.join(LEVERS)})"
     )
     p.add_argument("--jsonl", type=Path, default=None, help="append each row's figures to this file as it ends")
     p.add_argument("--json", type=Path, default=None, help="also write all rows to this file at the end")
-    p.add_argument("--profile-row", default="all", help="profile one more step of this row (default all)")
+    p.add_argument("--profile-row", default="best_fused", help="profile one more step of this row")
     p.add_argument("--profile-out", type=Path, default=None, help="write the profile table here (default stdout)")
     args = p.parse_args(argv)
 

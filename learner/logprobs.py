@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from learner import ulysses
+from learner import fused_head, ulysses
 from learner.packing import MicroBatch
 from learner.varlen_attention import cu_seqlens_kwargs
 
@@ -98,6 +98,13 @@ def forward_micro_batch(
         # No attention mask + restarting position ids: transformers' packed-sequence path. The boundaries go
         # in once here so no layer re-derives them (flash_attention_2 and the varlen kernel both read them).
         kwargs.update(cu_seqlens_kwargs(mb.seq_lengths, device))
+        head = fused_head.find(model)
+        if head is not None:  # learner.use_fused_kernels: the head returns (log-prob, entropy) per position
+            with head.scoring(mb.targets.to(device, non_blocking=True),
+                              temperature=temperature.to(device) if temperature is not None else None,
+                              with_entropy=with_entropy, entropy_grad=entropy_grad, chunk_size=chunk_size):  # fmt: skip
+                out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=index, **kwargs).logits[0]
+            return out[:, 0], out[:, 1] if with_entropy else None
         logits = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=index, **kwargs).logits[0]
     return _score(logits, mb.targets, device=device, with_entropy=with_entropy, chunked_entropy=chunked_entropy,
                   entropy_checkpointing=entropy_checkpointing, entropy_grad=entropy_grad, chunk_size=chunk_size,

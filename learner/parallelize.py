@@ -19,7 +19,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from learner import lora, ulysses, varlen_attention
+from learner import fused_head, lora, ulysses, varlen_attention
 from tether.config import TetherConfig
 from tether.logs import get_logger
 
@@ -183,6 +183,8 @@ def parallelize(
         # so dropout inside them (0 in the usual LMs, and it would make log-probs random) stays off.
         for block in decoder_blocks(model):
             block.training = True
+    if lc.use_fused_kernels:
+        fused_head.install(model)
     if lc.use_torch_compile:
         compile_blocks(model)
     offload = lc.cpu_offload and device.type == "cuda"

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 
-def _cfg(model_dir: Path, **learner):
+def _cfg(model_dir: Path, algorithm: dict | None = None, **learner):
     from tether.config import TetherConfig
 
     return TetherConfig.model_validate(
@@ -26,18 +26,21 @@ def _cfg(model_dir: Path, **learner):
             "model": {"path": str(model_dir)},
             "rollout": {"max_tokens": 24},
             "learner": {"train_batch_size": 4, "lr": 1e-2, "use_remove_padding": True, **learner},
+            "algorithm": algorithm or {},
         }
     )
 
 
-def _step(model_dir: Path, **learner) -> tuple[dict, dict[str, torch.Tensor], torch.nn.Module]:
+def _step(
+    model_dir: Path, algorithm: dict | None = None, **learner
+) -> tuple[dict, dict[str, torch.Tensor], torch.nn.Module]:
     from torch.distributed.tensor import DTensor
 
     from learner.parallelize import load_actor, parallelize
     from learner.synthetic import make_groups
     from learner.trainer import Trainer
 
-    cfg = _cfg(model_dir, **learner)
+    cfg = _cfg(model_dir, algorithm, **learner)
     device = torch.device("cpu")
     torch.manual_seed(0)
     model = parallelize(load_actor(cfg, device), cfg, device)
@@ -166,3 +169,23 @@ def test_a_packed_forward_takes_the_lengths_from_the_host(monkeypatch: pytest.Mo
     assert va.host_lengths(kwargs["cu_seq_lens_q"]) == tuple(lengths)
     other = kwargs["cu_seq_lens_q"].clone()  # same values, not built by cu_seqlens_kwargs: not vouched for
     assert va.host_lengths(other) is None
+
+
+@pytest.mark.parametrize("entropy_coeff", [0.0, 0.01], ids=["entropy-metric", "entropy-in-loss"])
+def test_the_fused_lm_head_gives_the_plain_heads_step(
+    one_rank: None, model_dir: Path, entropy_coeff: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``learner.use_fused_kernels``: log-probs and entropy chunk by chunk inside the head (chunks of 7 rows
+    here, so every micro-batch spans several), the same loss, entropy and gradients as the plain head."""
+    from learner import fused_head, logprobs
+
+    monkeypatch.setitem(logprobs.forward_micro_batch.__kwdefaults__, "chunk_size", 7)
+    algo = {"entropy_coeff": entropy_coeff}
+    ref = _step(model_dir, algorithm=algo)
+    got = _step(model_dir, algorithm=algo, use_fused_kernels=True)
+    head = fused_head.find(got[2])
+    assert isinstance(head, fused_head.FusedHead) and fused_head.find(ref[2]) is None
+    assert head.weight is got[2].get_input_embeddings().weight  # the tied weight stays tied
+    assert set(got[2].state_dict()) == set(ref[2].state_dict())  # checkpoints and weight sync see no change
+    assert got[0]["actor/entropy"] == pytest.approx(ref[0]["actor/entropy"], rel=1e-5)
+    _assert_same_step(got, ref, rtol=1e-4)

@@ -119,6 +119,12 @@ class LearnerConfig(Section):
     sequence lengths become dynamic after one recompile. Measured there: 1.12× without activation
     checkpointing, 0.82× with it."""
 
+    use_fused_kernels: bool = False
+    """The LM head fused with log-probs and entropy, chunk by chunk (``learner.fused_head``; verl's name for the
+    same idea): no ``[tokens, vocab]`` logits are kept for backward or copied to float32 whole; each chunk's
+    are recomputed in backward. Packed rows (``use_remove_padding``) without sequence parallelism; other
+    layouts keep the plain head."""
+
     shard_single_rank: bool = False
     """Wrap the model in FSDP2 on one rank too (bf16 copies of the weights made once per block per pass by
     FSDP2's mixed precision), instead of a plain module under autocast (weights re-cast at every matmul).
