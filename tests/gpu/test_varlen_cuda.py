@@ -80,6 +80,7 @@ def _step(model_dir: Path, **learner):  # type: ignore[no-untyped-def]
         pytest.param({"varlen_attention": "torch"}, marks=needs_kernel, id="torch-varlen"),
         pytest.param({"use_torch_compile": True}, marks=on_cuda_only, id="compile"),
         pytest.param({"shard_single_rank": True}, id="fsdp-one-rank"),
+        pytest.param({"use_fused_kernels": True}, id="fused-lm-head"),
     ],
 )
 def test_a_bf16_step_with_each_lever_agrees_with_the_baseline(
