@@ -78,7 +78,7 @@ test: install-test
 	$(PY) -m ruff check .
 	$(PY) -m pytest -m "not gpu and not gpu2 and not sglang" --ignore=tests/compose $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
-# The docker compose CPU stack, built and run for real with podman (tests/compose, README "docker compose"):
+# The docker compose CPU stack, built and run for real with podman (tests/compose, docs/COMPOSE.md):
 # images built locally (no image registry needed), Redis, the reward service, the learner and two rollout
 # replicas; a replica SIGKILLed, the stack taken down and brought up again. Root with apt on Debian (CI):
 # installs podman, runc, iptables and mmdebstrap first. About 5-10 minutes on 2 cores from no images, 4 with cached
@@ -111,8 +111,8 @@ check-protos: install
 
 # Every benchmark, one after another (tens of minutes on 2 cores; nothing else may run meanwhile). Each
 # appends its figures (ratio against a baseline of the same run, spread over >= 3 repeats, goal) to
-# bench/results.jsonl; bench/report.py turns them into bench/results.json and bench/results.md, the README's
-# table. One of them: make bench BENCH=vs_trl; a smoke run: make bench BENCH_ARGS=--quick.
+# bench/results.jsonl; bench/report.py turns them into bench/results.json and bench/results.md, the table in
+# docs/BENCHMARKS.md. One of them: make bench BENCH=vs_trl; a smoke run: make bench BENCH_ARGS=--quick.
 BENCH ?= overlap learner learner_step buffer weight_sync rollout load vs_trl learning fleet_local ulysses lora dataset_stream reward_model
 BENCH_ARGS ?=
 BENCH_RESULTS := bench/results.jsonl

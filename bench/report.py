@@ -7,8 +7,8 @@ Each line of the input is one figure written by :func:`bench.common.report`. Whe
 more than once (a benchmark run twice), the last one wins. ``results.json`` is a list of figures
 (``name``, ``ratio``, ``spread``, ``spread_kind``, ``goal``, ``direction``, ``baseline``, ``repeats``,
 ``met``, ``host``, ``time``, ``note``); ``results.md`` is the same as a markdown table, and the same
-table replaces what stands between the README's two ``bench-results`` markers, so the README's table of
-figures is always this output (``--readme ''`` leaves the README alone).
+table replaces what stands between the two ``bench-results`` markers of docs/BENCHMARKS.md, so that table of
+figures is always this output (``--readme ''`` leaves it alone).
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("input", nargs="?", type=Path, default=None, help="JSON-lines file (default $TETHER_BENCH_RESULTS)")
     p.add_argument("--json", type=Path, default=HERE / "results.json")
     p.add_argument("--md", type=Path, default=HERE / "results.md")
-    p.add_argument("--readme", default=str(HERE.parent / "README.md"), help="README whose table to replace ('': none)")
+    p.add_argument("--readme", default=str(HERE.parent / "docs" / "BENCHMARKS.md"),
+                   help="the page whose table to replace ('': none)")  # fmt: skip
     args = p.parse_args(argv)
     env = os.environ.get("TETHER_BENCH_RESULTS")
     source = args.input or (Path(env) if env else None)
