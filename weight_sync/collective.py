@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from tether.logs import get_logger
-from weight_sync.buckets import Layout, empty_bucket, plan_segments
+from weight_sync.buckets import Layout, empty_bucket, plan_segments, unpack
 
 log = get_logger(__name__)
 
@@ -72,6 +72,17 @@ _ENV_LOCK = threading.Lock()
 
 class TransferAborted(RuntimeError):
     """The sender called this update off before the transfer began (a planned member was not ready)."""
+
+
+class PartialUpdate(RuntimeError):
+    """A streamed update failed after some of its tensors were loaded: the model holds a mix of versions.
+    The message starts with ``PARTIAL_UPDATE`` (it may cross a process boundary as text)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{PARTIAL_UPDATE}: {message}")
+
+
+PARTIAL_UPDATE = "weights partially loaded"
 
 
 class StageTimeout(TimeoutError):
@@ -341,6 +352,105 @@ class CollectiveReceive:
                 self._pg, self._epoch = None, None
                 self._sets = [s for s in self._sets if s is not flats]
                 raise
+
+    def stream(self, plan, *, timeout_s: float) -> Iterator[tuple[str, torch.Tensor]]:
+        """Like :meth:`receive`, but bucket by bucket: yields each bucket's named tensors as soon as it has
+        arrived, while the next bucket is received, so a loader can consume the update during the transfer.
+
+        Each bucket is a fresh buffer this generator forgets once the consumer moves past it: the consumer's
+        own references (a loader that buffers a layer's tensors until the layer is complete, as vLLM's
+        layerwise reload does) keep it alive, never longer. So the receiving side holds at most two buckets
+        (the one being consumed and the next) when the layout has one dtype, as the sender's publish dtype
+        makes it (one bucket open at a time); one more per other dtype. The price is atomicity: a transfer
+        that fails half-way has already loaded its first buckets (:class:`PartialUpdate`).
+        """
+        src = plan.collective
+        device = self._device_for(src.backend)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # see receive(): this runs on a thread of its own
+        with self.lock:
+            self._join(plan, timeout_s=timeout_s, device=device)
+            layout = Layout.from_plan(plan)
+            members = layout.bucket_members()
+            segments = plan_segments(layout, min_bytes=src.segment_min_bytes)
+            last = {s.bucket: i for i, s in enumerate(segments)}  # each bucket's last segment
+            order = sorted(last, key=last.__getitem__)  # buckets in the order they complete
+            buffers: dict[int, torch.Tensor] = {}
+            works: dict[int, list[dist.Work]] = {}
+            posted = 0
+            loaded = 0
+
+            def post_through(index: int) -> None:
+                # In the sender's order: a collective must be posted in the same order on every rank.
+                nonlocal posted
+                while posted <= index:
+                    s = segments[posted]
+                    if s.bucket not in buffers:
+                        buffers[s.bucket] = empty_bucket(plan.buckets[s.bucket], device)
+                    chunk = buffers[s.bucket][s.start : s.end]
+                    works.setdefault(s.bucket, []).append(broadcast(self._pg, chunk, src=src.src_rank))
+                    posted += 1
+
+            try:
+                post_through(last[order[0]])
+                for n, bucket in enumerate(order):
+                    pending = works.pop(bucket)
+                    while pending:
+                        wait_work(pending.pop(), timeout_s=timeout_s, what=f"update {plan.update_id}: receive")
+                    flat = buffers.pop(bucket)
+                    named = unpack(flat, members[bucket])[::-1]
+                    del flat
+                    while named:
+                        yield named.pop()  # forgotten here as soon as it is handed over
+                        loaded += 1
+                        if n + 1 < len(order) and posted <= last[order[n + 1]]:
+                            # The next bucket is received while this one is loaded; posted only now that the
+                            # loader has moved on from the bucket before (at most two buckets alive).
+                            post_through(last[order[n + 1]])
+            except GeneratorExit:
+                self._drop_group()
+                raise
+            except Exception as exc:
+                self._drop_group()
+                if loaded:
+                    raise PartialUpdate(
+                        f"update {plan.update_id}: {loaded} of {len(layout.tensors)} tensors handed over "
+                        f"when the transfer failed ({exc!r})"
+                    ) from exc
+                raise
+
+    def _join(self, plan, *, timeout_s: float, device: torch.device) -> None:
+        """Wait for the sender's ``go`` and (re)build the group when the epoch changed (holding ``lock``)."""
+        src = plan.collective
+        host, port = parse_init_method(src.init_method)
+        if self._epoch != (src.init_method, src.group_epoch):
+            self._drop_group()
+            self._store = dist.TCPStore(host, port, is_master=False, timeout=_timeout(self.go_timeout_s))
+        store = self._store
+        key = go_key(plan.update_id, src.group_epoch)
+        store.wait([key], _timeout(self.go_timeout_s))
+        if store.get(key) != b"1":
+            raise TransferAborted(f"update {plan.update_id}: the sender called it off (a member was not ready)")
+        if self._pg is None:
+            try:
+                self._pg = build_group(
+                    backend=src.backend,
+                    store=store,
+                    rank=src.rank,
+                    world_size=src.world_size,
+                    epoch=src.group_epoch,
+                    timeout_s=timeout_s,
+                    host=host,
+                    device=device if device.type == "cuda" else None,
+                )
+            except Exception:
+                self._drop_group()
+                raise
+            self._epoch = (src.init_method, src.group_epoch)
+
+    def _drop_group(self) -> None:
+        close_group(self._pg)
+        self._pg, self._epoch = None, None
 
     def _device_for(self, backend: str) -> torch.device:
         # NCCL moves CUDA memory only: its buffers live on the current GPU of whoever set ``device`` when that

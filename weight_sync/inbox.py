@@ -11,7 +11,10 @@ hand the tensors to a :class:`~weight_sync.loading.WeightLoader` (an engine's ``
 worker processes run an :class:`Inbox` of their own (``rollout_server/engines/vllm_worker.py``).
 
 Received buckets are loaded at commit, not as they arrive, so a transfer that fails half-way never
-leaves a model with a mix of two versions (the price: one model's worth of receive buffers).
+leaves a model with a mix of two versions (the price: one model's worth of receive buffers). A loader that
+cannot afford that (vLLM beside its KV cache) streams instead (:meth:`Inbox.stream`): each bucket is loaded
+as it arrives, during the transfer, at most two buckets held; a transfer that fails half-way then leaves a
+mixed model (:class:`~weight_sync.collective.PartialUpdate`), which the receiver replaces from a snapshot.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +91,43 @@ class CollectiveReceiver(SourceReceiver):
 
     def start(self, plan: control_pb2.WeightUpdatePlan, *, device: torch.device | None, timeouts: Timeouts) -> None:
         self._receiving.clear()
+        self._use(plan, device, timeouts)
+        self._receiving[plan.update_id] = self._pool.submit(self.receive.receive, plan, timeout_s=timeouts.transfer_s)
+
+    def start_streaming(
+        self,
+        plan: control_pb2.WeightUpdatePlan,
+        *,
+        device: torch.device | None,
+        timeouts: Timeouts,
+        consume: Callable[[Iterator[tuple[str, torch.Tensor]]], object],
+    ) -> None:
+        """Receive bucket by bucket (:meth:`CollectiveReceive.stream`) and hand the tensors to ``consume``
+        as they arrive, on the receive thread, during the transfer; :meth:`take_streamed` returns what
+        ``consume`` returned. No whole-update receive buffers: at most two buckets (one dtype)."""
+        self._receiving.clear()
+        self._use(plan, device, timeouts)
+
+        def run() -> object:
+            named = self.receive.stream(plan, timeout_s=timeouts.transfer_s)
+            try:
+                result = consume(named)
+                left = sum(1 for _ in named)  # the transfer completes only when every bucket was received
+                if left:
+                    raise RuntimeError(f"update {plan.update_id}: the loader left {left} tensors unread")
+                return result
+            finally:
+                named.close()
+
+        self._receiving[plan.update_id] = self._pool.submit(run)
+
+    def take_streamed(self, plan: control_pb2.WeightUpdatePlan, *, timeout_s: float) -> object:
+        future = self._receiving.pop(plan.update_id, None)
+        if future is None:
+            raise RuntimeError(f"update {plan.update_id} was never started")
+        return future.result(timeout=timeout_s)
+
+    def _use(self, plan: control_pb2.WeightUpdatePlan, device: torch.device | None, timeouts: Timeouts) -> None:
         # NCCL receives straight into the loader's GPU, else this thread's current one: resolved here, on the
         # caller's thread, as the receive thread's own current device is cuda:0. Gloo can only use CPU buffers.
         if plan.collective.backend == "nccl":
@@ -97,7 +137,6 @@ class CollectiveReceiver(SourceReceiver):
         else:
             self.receive.device = torch.device("cpu")
         self.receive.go_timeout_s = timeouts.go_s
-        self._receiving[plan.update_id] = self._pool.submit(self.receive.receive, plan, timeout_s=timeouts.transfer_s)
 
     def take(self, plan: control_pb2.WeightUpdatePlan, *, timeout_s: float) -> Incoming:
         future = self._receiving.pop(plan.update_id, None)
@@ -138,6 +177,7 @@ class Inbox:
     def __init__(self) -> None:
         self._ends: dict[str, SourceReceiver] = {}
         self._pending: dict[str, tuple[control_pb2.WeightUpdatePlan, SourceReceiver]] = {}
+        self._streamed: dict[str, tuple[control_pb2.WeightUpdatePlan, CollectiveReceiver]] = {}
 
     def end(self, kind: str) -> SourceReceiver:
         """The receiver of source ``kind`` (kept across updates: a collective reuses its group and buffers)."""
@@ -151,6 +191,7 @@ class Inbox:
 
     def start(self, plan: control_pb2.WeightUpdatePlan, *, device: torch.device | None, timeouts: Timeouts) -> None:
         self._pending.clear()
+        self._streamed.clear()
         end = self.end(plan.WhichOneof("source"))
         end.start(plan, device=device, timeouts=timeouts)
         self._pending[plan.update_id] = (plan, end)
@@ -162,11 +203,40 @@ class Inbox:
         plan, end = pending
         return plan, end.take(plan, timeout_s=timeout_s)
 
+    def stream(
+        self,
+        plan: control_pb2.WeightUpdatePlan,
+        *,
+        device: torch.device | None,
+        timeouts: Timeouts,
+        consume: Callable[[Iterator[tuple[str, torch.Tensor]]], object],
+    ) -> None:
+        """Start a collective update that ``consume`` loads as it arrives (see
+        :meth:`CollectiveReceiver.start_streaming`); :meth:`take_streamed` waits for it."""
+        self._pending.clear()
+        self._streamed.clear()
+        end = self.end("collective")
+        assert isinstance(end, CollectiveReceiver)
+        end.start_streaming(plan, device=device, timeouts=timeouts, consume=consume)
+        self._streamed[plan.update_id] = (plan, end)
+
+    def streaming(self, update_id: str) -> bool:
+        return update_id in self._streamed
+
+    def take_streamed(self, update_id: str, *, timeout_s: float) -> object:
+        pending = self._streamed.pop(update_id, None)
+        if pending is None:
+            raise RuntimeError(f"update {update_id!r} was never started here")
+        plan, end = pending
+        return end.take_streamed(plan, timeout_s=timeout_s)
+
     def cancel(self) -> None:
         self._pending.clear()
+        self._streamed.clear()
 
     def close(self) -> None:
         self._pending.clear()
+        self._streamed.clear()
         for end in self._ends.values():
             end.close()
 

@@ -27,6 +27,7 @@ from tether.logs import get_logger
 from tether.trajectory import MAX_POLICY_VERSION
 from tether.v1 import control_pb2
 from weight_sync.buckets import dtype_from_name, tensor_bytes
+from weight_sync.collective import PARTIAL_UPDATE
 from weight_sync.inbox import LocalDelivery
 from weight_sync.loading import Delivery, WeightLoader
 from weight_sync.snapshot import latest_snapshot, snapshot_root
@@ -103,6 +104,13 @@ class WeightReceiver:
                     raise WeightSyncError(
                         f"update {version}: transfer failed ({exc!r}) and so did its snapshot ({again!r})"
                     ) from exc
+                if loaded is None and PARTIAL_UPDATE in str(exc):
+                    # A streamed load stopped half-way: the old weights are gone too. Any snapshot makes the
+                    # model one version again (an older one, and said so); with none it stays mixed.
+                    restored = await self._restore_after_partial(version, exc)
+                    raise WeightSyncError(
+                        f"update {version}: transfer failed half-way through the load ({exc!r}); {restored}"
+                    ) from exc
                 if loaded is None:
                     await self._drop(f"transfer failed: {exc!r}")
                     raise WeightSyncError(f"update {version}: transfer failed ({exc!r}) and no snapshot") from exc
@@ -146,6 +154,21 @@ class WeightReceiver:
             return None
         tally = await self.delivery.load_snapshot(found[1], version=found[0])
         return found[0], tally.bytes, tally.checksums
+
+    async def _restore_after_partial(self, version: int, exc: Exception) -> str:
+        try:
+            loaded = await self._load_snapshot(min_version=0)
+        except Exception as again:
+            loaded, why = None, f"its snapshot failed too ({again!r})"
+        else:
+            why = "no snapshot to restore from"
+        if loaded is not None:
+            self.loader.policy_version = loaded[0]
+            await self._drop(f"transfer failed half-way: restored snapshot {loaded[0]}")
+            return f"restored snapshot version {loaded[0]}"
+        log.error("weights_mixed", version=version, serving=self.version, error=repr(exc), why=why)
+        await self._drop(f"transfer failed half-way, {why}: the weights mix versions {self.version} and {version}")
+        return f"{why}: the weights mix versions until the next update"
 
     async def _drop(self, reason: str) -> None:
         plan, self._plan = self._plan, None

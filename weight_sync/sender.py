@@ -3,8 +3,9 @@
 ``WeightSender.publish(version)`` is called on every learner rank because gathering a full tensor from
 FSDP2 shards (``DTensor.full_tensor()``) is a collective of the learner's own group. Tensors are gathered
 one parameter at a time in a fixed order, so at most one bucket per dtype (plus two buckets' worth of
-bytes in flight) is ever materialised on rank 0 — never the whole model. Rank 0 alone talks to rollout
-servers:
+bytes in flight) is ever materialised on rank 0 — never the whole model. A collective transport sends
+floating tensors in ``weight_sync.publish_dtype`` (``auto``: the engines' dtype; bf16 on GPU), cast one
+tensor at a time as gathered. Rank 0 alone talks to rollout servers:
 
     prepare (gRPC, all servers at once, deadline) → begin (group ready?) → gather + send each segment as
     soon as it is complete (async broadcast handles) and write snapshot shards → finish (wait the
@@ -91,7 +92,8 @@ class WeightSender:
         self.process_group = process_group
         # named_parameters() lists a tied weight once (embeddings / lm_head): it travels once.
         self._params = list(params) if params is not None else list(model.named_parameters())
-        metas = [(name, p.dtype, tuple(p.shape)) for name, p in self._params]
+        self.wire_dtype = _wire_dtype(cfg)
+        metas = [(name, self._on_wire(p.dtype), tuple(p.shape)) for name, p in self._params]
         self.layout = plan_layout(metas, bucket_size_bytes=max(1, int(self.wcfg.bucket_size_mb * 2**20)))
         self._last_member = bucket_ready_order(self.layout)
         self.last_dropped: dict[str, str] = {}
@@ -119,6 +121,10 @@ class WeightSender:
             from tether.auth import auth_token
 
             self.clients = ControlClients(token=auth_token(cfg.rollout.auth_token) or None)
+
+    def _on_wire(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a parameter of ``dtype`` travels in (floating ones: the publish dtype, when set)."""
+        return self.wire_dtype if self.wire_dtype is not None and dtype.is_floating_point else dtype
 
     def _live_servers(self) -> list[str]:
         if self.registry is not None:
@@ -337,6 +343,8 @@ class WeightSender:
             full = full_tensor(param).detach()  # a collective on all ranks when the parameter is sharded
             if self.rank != 0 or on_tensor is None:
                 continue
+            if full.dtype != self._on_wire(full.dtype):  # one tensor at a time: the cast is transient
+                full = full.to(self._on_wire(full.dtype))
             if self.wcfg.verify_checksums:
                 checksums[name] = checksum(full)
             on_tensor(i, full)
@@ -455,6 +463,20 @@ class WeightSender:
         if self.rank == 0:
             self.transport.close()
             self.clients.close()
+
+
+def _wire_dtype(cfg: TetherConfig) -> torch.dtype | None:
+    """What a collective transport sends floating tensors in: ``weight_sync.publish_dtype`` (``auto``: what the
+    engines serve), so a bf16 engine receives bf16 buckets, half a float32 learner's bytes, and loads them
+    without a cast. None: as the parameters are (the filesystem snapshot keeps the learner's exact weights)."""
+    transport = cfg.weight_sync.transport.type
+    if transport not in ("nccl", "gloo"):
+        return None
+    from weight_sync.buckets import dtype_from_name
+    from weight_sync.store_sender import publication_dtype
+
+    device = torch.device("cuda") if transport == "nccl" else torch.device("cpu")
+    return dtype_from_name(publication_dtype(cfg, device))
 
 
 def _sendable(tensor: torch.Tensor, device: torch.device) -> bool:

@@ -15,6 +15,14 @@ its layerwise reload, which re-runs the kernels' post-load processing; plain ``m
 older vLLM). It knows the model's own layout (fused qkv / gate-up projections, tensor-parallel shards, tied
 embeddings) — this is why vLLM receives full, unsharded HF-named tensors.
 
+A collective update of full weights is not buffered whole (the model over again, beside vLLM's share of
+the GPU): ``tether_prepare`` starts a receive thread that streams it (``Inbox.stream``) into one
+``reload_weights`` call as it arrives, bucket by bucket in the learner's publish dtype (bf16 for a bf16
+engine), at most two buckets alive; ``tether_commit`` then only collects that load's tally. Generation is
+paused from Prepare on, so the model is not in use meanwhile. A transfer that fails half-way leaves the
+weights mixed; the receiver restores a snapshot (``WeightReceiver``). Snapshots, pulled versions and LoRA
+adapters (merged into the base at commit) are read whole, at commit, as before.
+
 vLLM 0.3x also has a weight-transfer API (``vllm.distributed.weight_transfer``: a ``WeightTransferEngine``
 per worker, driven by ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``). It is not
 used: its backends come with their own trainer side and handshake (tether has its own transports and
@@ -75,7 +83,18 @@ class WeightSyncWorker:
             inbox = self._tether_inbox_state = Inbox()
         return inbox
 
-    def tether_prepare(self, plan_bytes: bytes, transfer_timeout_s: float, go_timeout_s: float) -> bool:
+    def tether_prepare(
+        self,
+        plan_bytes: bytes,
+        transfer_timeout_s: float,
+        go_timeout_s: float,
+        sums: bool = False,
+        lora_scale: float = 0.0,
+    ) -> bool:
+        """Start receiving. A collective update of full weights is loaded as it arrives (bucket by bucket into
+        :meth:`tether_load_weights`, during the transfer: at most two buckets beside the model); ``sums`` and
+        ``lora_scale`` say at Prepare what that load reports and whether it is one (adapters are received
+        whole, then merged at commit)."""
         plan = control_pb2.WeightUpdatePlan.FromString(plan_bytes)
         if plan.WhichOneof("source") == "collective":
             parallel = self.vllm_config.parallel_config
@@ -85,14 +104,27 @@ class WeightSyncWorker:
                 pipeline_parallel_size=getattr(parallel, "pipeline_parallel_size", 1),
             )
         device = torch.device(getattr(self, "device", "cpu"))
-        self._tether_inbox().start(
-            plan, device=device, timeouts=Timeouts(transfer_s=transfer_timeout_s, go_s=go_timeout_s)
-        )
+        timeouts = Timeouts(transfer_s=transfer_timeout_s, go_s=go_timeout_s)
+        if plan.WhichOneof("source") == "collective" and not lora_scale and not _adapters(plan):
+            self._tether_inbox().stream(
+                plan, device=device, timeouts=timeouts, consume=lambda named: self._tether_load_stream(named, sums)
+            )
+            return True
+        self._tether_inbox().start(plan, device=device, timeouts=timeouts)
         return True
 
     def tether_commit(self, update_id: str, timeout_s: float, sums: bool, lora_scale: float = 0.0) -> dict:
-        _, incoming = self._tether_inbox().take(update_id, timeout_s=timeout_s)
+        inbox = self._tether_inbox()
+        if inbox.streaming(update_id):  # loaded already, as it arrived: its tally
+            return inbox.take_streamed(update_id, timeout_s=timeout_s)  # type: ignore[return-value]
+        _, incoming = inbox.take(update_id, timeout_s=timeout_s)
         return self._tether_load(incoming, sums, lora_scale)
+
+    def _tether_load_stream(self, named: Iterator[tuple[str, torch.Tensor]], sums: bool) -> dict:
+        """On the receive thread, while the bytes arrive (generation is paused since Prepare)."""
+        tally = Tally()
+        self.tether_load_weights(tally.count(named, sums=sums))
+        return {"bytes": tally.bytes, "checksums": tally.checksums}
 
     def tether_load_snapshot(self, path: str, sums: bool, lora_scale: float = 0.0) -> dict:
         return self._tether_load(snapshot(Path(path)), sums, lora_scale)
@@ -147,6 +179,11 @@ class WeightSyncWorker:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
                     yield name, f.get_tensor(name)
+
+
+def _adapters(plan: control_pb2.WeightUpdatePlan) -> bool:
+    """The update holds LoRA adapter tensors (merged into the base at commit, so received whole)."""
+    return any(meta.name.endswith((".lora_A.weight", ".lora_B.weight")) for meta in plan.tensors)
 
 
 def _tied_groups(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
