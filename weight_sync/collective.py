@@ -34,6 +34,7 @@ import datetime as _dt
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from urllib.parse import urlparse
 
@@ -298,6 +299,13 @@ class CollectiveReceive:
         self._live: list[torch.Tensor] | None = None  # the set the model's parameters are views into
         self._epoch: tuple[str, int] | None = None
         self._store: dist.TCPStore | None = None
+        self.stream_peak_bytes = 0
+        """The most bytes of receive buffers alive at once during the last :meth:`stream` (measured: a
+        buffer counts until its last reference, the loader's included, is gone)."""
+        self.stream_bucket_bytes = 0
+        """The largest bucket of the last :meth:`stream`."""
+        self._stream_live = 0
+        self._counting = threading.Lock()
 
     def receive(self, plan, *, timeout_s: float) -> list[torch.Tensor]:
         """Blocking: wait for ``go``, (re)build the group if the epoch changed, receive every bucket."""
@@ -386,11 +394,14 @@ class CollectiveReceive:
                 while posted <= index:
                     s = segments[posted]
                     if s.bucket not in buffers:
-                        buffers[s.bucket] = empty_bucket(plan.buckets[s.bucket], device)
+                        buffers[s.bucket] = self._counted(empty_bucket(plan.buckets[s.bucket], device))
                     chunk = buffers[s.bucket][s.start : s.end]
                     works.setdefault(s.bucket, []).append(broadcast(self._pg, chunk, src=src.src_rank))
                     posted += 1
 
+            with self._counting:
+                self.stream_peak_bytes = self._stream_live
+            self.stream_bucket_bytes = max((int(b.num_bytes) for b in plan.buckets), default=0)
             try:
                 post_through(last[order[0]])
                 for n, bucket in enumerate(order):
@@ -418,6 +429,19 @@ class CollectiveReceive:
                         f"when the transfer failed ({exc!r})"
                     ) from exc
                 raise
+
+    def _counted(self, flat: torch.Tensor) -> torch.Tensor:
+        nbytes = flat.numel()
+        with self._counting:
+            self._stream_live += nbytes
+            self.stream_peak_bytes = max(self.stream_peak_bytes, self._stream_live)
+        # The storage, not the tensor: a dtype view handed to the loader keeps the memory, not the tensor object.
+        weakref.finalize(flat.untyped_storage(), self._uncount, nbytes)
+        return flat
+
+    def _uncount(self, nbytes: int) -> None:
+        with self._counting:
+            self._stream_live -= nbytes
 
     def _join(self, plan, *, timeout_s: float, device: torch.device) -> None:
         """Wait for the sender's ``go`` and (re)build the group when the epoch changed (holding ``lock``)."""

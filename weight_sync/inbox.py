@@ -88,6 +88,7 @@ class CollectiveReceiver(SourceReceiver):
         self.receive = CollectiveReceive()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="weight-sync")
         self._receiving: dict[str, concurrent.futures.Future] = {}
+        self.stream_deadline_s = 0.0
 
     def start(self, plan: control_pb2.WeightUpdatePlan, *, device: torch.device | None, timeouts: Timeouts) -> None:
         self._receiving.clear()
@@ -107,6 +108,7 @@ class CollectiveReceiver(SourceReceiver):
         ``consume`` returned. No whole-update receive buffers: at most two buckets (one dtype)."""
         self._receiving.clear()
         self._use(plan, device, timeouts)
+        self.stream_deadline_s = timeouts.go_s + timeouts.transfer_s
 
         def run() -> object:
             named = self.receive.stream(plan, timeout_s=timeouts.transfer_s)
@@ -231,8 +233,14 @@ class Inbox:
         return end.take_streamed(plan, timeout_s=timeout_s)
 
     def cancel(self) -> None:
+        """Forget the update in flight. A streamed one is loading into the model on its own thread: wait for
+        that thread to end (it does within its transfer deadline: a called-off update's group is torn down)
+        so that whoever resumes generation next never runs on weights still being written."""
         self._pending.clear()
-        self._streamed.clear()
+        streamed, self._streamed = self._streamed, {}
+        for plan, end in streamed.values():
+            with contextlib.suppress(Exception):
+                end.take_streamed(plan, timeout_s=end.stream_deadline_s)
 
     def close(self) -> None:
         self._pending.clear()

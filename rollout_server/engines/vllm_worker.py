@@ -141,6 +141,11 @@ class WeightSyncWorker:
         self._tether_inbox().cancel()
         return True
 
+    def tether_stream_stats(self) -> dict[str, int]:
+        """The last streamed update's peak bytes of receive buffers alive at once, and its largest bucket."""
+        receive = self._tether_inbox().end("collective").receive  # type: ignore[attr-defined]
+        return {"peak_bytes": receive.stream_peak_bytes, "bucket_bytes": receive.stream_bucket_bytes}
+
     def tether_checksums(self) -> dict[str, float]:
         """Float64 sums of the live model's parameters under vLLM's own names (tests compare them)."""
         return {name: checksum(p) for name, p in self.model_runner.model.named_parameters()}

@@ -2,9 +2,9 @@
 
 The vLLM worker loads an update as it arrives (``Inbox.stream``) instead of receiving the whole model into
 buffers first (float32, on top of vLLM's share of the GPU: ~28 GB more for a 7B model). Here a learner
-process sends over gloo and this process streams: every receive buffer is counted while it lives (its Python
-object: views handed to the loader keep it alive), and the peak must stay within two buckets while the
-update spans several. The sender's side: a float32 model publishes bfloat16 buckets when
+process sends over gloo and this process streams: every receive buffer is counted while its memory lives
+(its storage: views handed to the loader keep it alive), and the peak must stay within two buckets while
+the update spans several. The sender's side: a float32 model publishes bfloat16 buckets when
 ``weight_sync.publish_dtype`` says so, and a receiver ends up with exactly the bf16-rounded weights.
 """
 
@@ -77,7 +77,7 @@ class _LiveBuckets:
             self.live += flat.numel()
             self.peak = max(self.peak, self.live)
             self.allocated += 1
-        weakref.finalize(flat, self._free, flat.numel())
+        weakref.finalize(flat.untyped_storage(), self._free, flat.numel())  # the memory (views keep it, not the tensor)
         return flat
 
     def _free(self, nbytes: int) -> None:
