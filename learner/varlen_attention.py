@@ -210,16 +210,30 @@ def varlen_attention_forward(
     scaling: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    *,
+    kernel: str = "split",
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """transformers attention-function signature; returns ``([B, T, H, D], None)`` like sdpa's."""
+    """transformers attention-function signature; returns ``([B, T, H, D], None)`` like sdpa's.
+
+    ``kernel="torch"`` (:data:`VARLEN_TORCH`, bound by :func:`register`) runs packed rows in half precision
+    through :func:`torch_varlen_sdpa`; the flash kernel has no float32, so a float32 model (a test, a
+    reference pass) gets the split kernel there too.
+    """
     _refuse(attention_mask, dropout, sliding_window, softcap, kwargs)
-    if query.shape[0] == 1:
-        out = varlen_sdpa(query, key, value, _lengths(query, kwargs), scale=scaling)
-    else:
+    half = query.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(query.device.type)
+    if query.shape[0] > 1:
         # Several rows (a dummy or right-padded batch): causal attention per row needs no mask because
         # right padding only ever follows the real tokens.
         out = causal_attention(query, key, value, scale=scaling)
+    elif kernel == "torch" and query.device.type == "cuda" and half:
+        lengths = _lengths(query, kwargs)
+        cu = kwargs.get("cu_seq_lens_q")
+        if cu is None:
+            cu = cu_seqlens_kwargs(lengths, query.device)["cu_seq_lens_q"]
+        out = torch_varlen_sdpa(query, key, value, cu.to(torch.int32), max(lengths), scale=scaling)
+    else:
+        out = varlen_sdpa(query, key, value, _lengths(query, kwargs), scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -293,43 +307,13 @@ def torch_varlen_sdpa(
     return out.transpose(0, 1).unsqueeze(0)
 
 
-@torch.compiler.disable
-def varlen_torch_attention_forward(
-    module: torch.nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    **kwargs,
-) -> tuple[Tensor, None]:
-    """:func:`varlen_attention_forward` with :func:`torch_varlen_sdpa` for packed rows in half precision (the
-    flash kernel has no float32: a float32 model, as a test or a reference pass may run, gets the split kernel)."""
-    _refuse(attention_mask, dropout, sliding_window, softcap, kwargs)
-    half = query.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(query.device.type)
-    if query.shape[0] == 1 and query.device.type == "cuda" and half:
-        lengths = _lengths(query, kwargs)
-        cu = kwargs.get("cu_seq_lens_q")
-        if cu is None:
-            cu = cu_seqlens_kwargs(lengths, query.device)["cu_seq_lens_q"]
-        out = torch_varlen_sdpa(query, key, value, cu.to(torch.int32), max(lengths), scale=scaling)
-    elif query.shape[0] == 1:
-        out = varlen_sdpa(query, key, value, _lengths(query, kwargs), scale=scaling)
-    else:
-        out = causal_attention(query, key, value, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
 def register(kernel: str = "split") -> str:
     """Register the attention function of ``kernel`` (``split`` or ``torch``) with transformers
     (idempotent); returns its ``attn_implementation`` name."""
     from transformers import AttentionInterface
 
     if kernel == "torch":
-        AttentionInterface.register(VARLEN_TORCH, varlen_torch_attention_forward)
+        AttentionInterface.register(VARLEN_TORCH, functools.partial(varlen_attention_forward, kernel="torch"))
         return VARLEN_TORCH
     AttentionInterface.register(VARLEN, varlen_attention_forward)
     return VARLEN
