@@ -15,6 +15,7 @@ import time
 import redis
 
 from buffer.keys import RedisKeys
+from buffer.replies import text
 
 ROLLOUT_DEAD_LETTER = "rollout_dead_letter"
 """Counter of groups (or prompts) a rollout server dead-lettered."""
@@ -32,4 +33,4 @@ def dead_letter(
     pipe.xadd(keys.dead_letter, fields, maxlen=maxlen, approximate=True)
     pipe.hincrby(keys.counters, ROLLOUT_DEAD_LETTER, 1)
     entry_id, _ = pipe.execute()
-    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    return text(entry_id)

@@ -34,7 +34,9 @@ import redis
 
 from buffer.dead_letter import ROLLOUT_DEAD_LETTER
 from buffer.keys import RedisKeys
+from buffer.ledger import read_counters
 from buffer.registry import ServerRegistry
+from buffer.replies import text
 from tether.config import TetherConfig
 
 _DEAD = ("dead_letter", "prompts_dead_letter", ROLLOUT_DEAD_LETTER)
@@ -65,7 +67,7 @@ class RunWatch:
     def check(self, client: redis.Redis, *, now: float | None = None) -> list[str]:
         """The warnings due now (each one line). Raises ``redis.RedisError`` when Redis cannot be read."""
         now = time.monotonic() if now is None else now
-        counters = _counters(client, self.keys)
+        counters = read_counters(client, self.keys)
         cur = _Counts(now, counters.get("acknowledged", 0), counters.get("dropped_stale", 0),
                       sum(counters.get(k, 0) for k in _DEAD))  # fmt: skip
         out = []
@@ -147,11 +149,11 @@ class StallWatch:
         if self.timeout_s <= 0:
             return None
         now = time.monotonic() if now is None else now
-        counters = _counters(client, self.keys)
+        counters = read_counters(client, self.keys)
         dead, stale = sum(counters.get(k, 0) for k in _DEAD), counters.get("dropped_stale", 0)
         if self._base is None:
             last = client.xrevrange(self.keys.dead_letter, count=1)
-            self._base = _Waste(dead, stale, _text(last[0][0]) if last else "")
+            self._base = _Waste(dead, stale, text(last[0][0]) if last else "")
             return None
         wasted = dead - self._base.dead + stale - self._base.stale
         if wasted <= 0:
@@ -171,10 +173,10 @@ class StallWatch:
         reasons: Counter[str] = Counter()
         example: dict[str, str] = {}
         for _, fields in entries:
-            text = _GROUP_ID.sub("", _text(_field(fields, "reason")).strip(), count=1)
-            kind = re.sub(r"\d+", "N", text)  # "155 tokens" and "160 tokens" are one reason
+            reason = _GROUP_ID.sub("", text(_field(fields, "reason"), errors="replace").strip(), count=1)
+            kind = re.sub(r"\d+", "N", reason)  # "155 tokens" and "160 tokens" are one reason
             reasons[kind] += 1
-            example.setdefault(kind, text)
+            example.setdefault(kind, reason)
         top, seen = reasons.most_common(1)[0] if reasons else ("", len(entries) or 1)
         top_dead = round(dead * seen / (len(entries) or 1))  # the stream keeps the last ~1000: a sample of them
         head = (
@@ -207,15 +209,6 @@ _STALE_ADVICE = (
 )
 
 
-def _counters(client: redis.Redis, keys: RedisKeys) -> dict[str, int]:
-    raw = client.hgetall(keys.counters)
-    return {_text(k): int(float(v)) for k, v in raw.items()}
-
-
-def _text(value: object) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-
-
 def _field(fields: dict, name: str) -> object:
     return fields.get(name.encode(), fields.get(name, b""))
 
@@ -224,7 +217,7 @@ def _last_reason(client: redis.Redis, keys: RedisKeys) -> str:
     entries = client.xrevrange(keys.dead_letter, count=1)
     if not entries:
         return ""
-    return _text(_field(entries[0][1], "reason")).strip()
+    return text(_field(entries[0][1], "reason"), errors="replace").strip()
 
 
 def _setting_for(cfg: TetherConfig, reason: str) -> str:

@@ -29,6 +29,7 @@ from google.protobuf.message import DecodeError
 from buffer.codec import F_DATA, decode_group_payload, read_header
 from buffer.dead_letter import ROLLOUT_DEAD_LETTER
 from buffer.keys import RedisKeys
+from buffer.replies import int_hash
 from tether.logs import get_logger
 from tether.trajectory import InvalidTrajectory
 from tether.v1.trajectory_pb2 import Prompt
@@ -59,17 +60,8 @@ class LedgerSnapshot:
         return asdict(self)
 
 
-def _s(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
-
-
-def _ints(raw: dict) -> dict[str, int]:
-    """A Redis hash of counts as ``{str: int}``."""
-    return {_s(k): int(v) for k, v in raw.items()}
-
-
 def read_counters(client: redis.Redis, keys: RedisKeys) -> dict[str, int]:
-    return _ints(client.hgetall(keys.counters))
+    return int_hash(client.hgetall(keys.counters))
 
 
 def _consistent_view(client: redis.Redis, keys: RedisKeys) -> tuple[dict[str, int], dict[str, int], list, list]:
@@ -85,7 +77,7 @@ def _consistent_view(client: redis.Redis, keys: RedisKeys) -> tuple[dict[str, in
     pipe.xrange(keys.prompts, "-", "+")
     pipe.xrange(keys.trajectories, "-", "+")
     counters, staleness, prompts, trajectories = pipe.execute()
-    return _ints(counters), _ints(staleness), prompts, trajectories
+    return int_hash(counters), int_hash(staleness), prompts, trajectories
 
 
 def outstanding_indices(client: redis.Redis, keys: RedisKeys, prompts: list, trajectories: list) -> list[int]:
@@ -228,7 +220,7 @@ def run_books(client: redis.Redis, keys: RedisKeys) -> dict:
     pipe.hgetall(keys.counters)
     pipe.xlen(keys.trajectories)
     raw, in_stream = pipe.execute()
-    now = {k: v for k, v in _ints(raw).items() if k not in GAUGES}
+    now = {k: v for k, v in int_hash(raw).items() if k not in GAUGES}
     lives = lifetimes(client, keys)
     per_life = []
     for i, life in enumerate(lives):

@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 from buffer.dead_letter import ROLLOUT_DEAD_LETTER
 from buffer.keys import PROMPT_GROUP, RedisKeys
 from buffer.policy import DROPPED_STALE, admission_allowance
+from buffer.replies import text
 from buffer.scripts import Scripts, ensure_group
 from buffer.settle import Settlement
 from tether.logs import get_logger
@@ -31,10 +32,6 @@ _ISSUED = "prompts_issued"
 # Counters of prompts (or their groups) that ended without training data; see ``feed``.
 # ROLLOUT_DEAD_LETTER: groups a rollout server dead-lettered (reward failed, bad prompt).
 _WASTED = (DROPPED_STALE, "dead_letter", "prompts_dead_letter", ROLLOUT_DEAD_LETTER)
-
-
-def _sid(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
 
 
 class PromptQueue:
@@ -111,15 +108,15 @@ class PromptQueue:
         reply = self.client.xautoclaim(
             self.keys.prompts, PROMPT_GROUP, consumer, self.claim_idle_ms, self._claim_cursor, count=count
         )
-        self._claim_cursor = _sid(reply[0])
-        entries = [(_sid(i), f) for i, f in reply[1] if i is not None]
+        self._claim_cursor = text(reply[0])
+        entries = [(text(i), f) for i, f in reply[1] if i is not None]
         if entries and self.max_deliveries is not None:
             entries = self._drop_over_delivered(consumer, entries)
         if not entries:
             got = self.client.xreadgroup(
                 PROMPT_GROUP, consumer, {self.keys.prompts: ">"}, count=count, block=block_ms if block_ms > 0 else None
             )
-            entries = [(_sid(i), f) for i, f in got[0][1]] if got else []
+            entries = [(text(i), f) for i, f in got[0][1]] if got else []
         out: list[tuple[str, Prompt]] = []
         bad = Settlement()
         for eid, fields in entries:
@@ -143,7 +140,7 @@ class PromptQueue:
             count=len(entries),
             consumername=consumer,
         )
-        counts = {_sid(p["message_id"]): int(p["times_delivered"]) for p in pending}
+        counts = {text(p["message_id"]): int(p["times_delivered"]) for p in pending}
         keep, bad = [], Settlement()
         for eid, fields in entries:
             n = counts.get(eid, 1)

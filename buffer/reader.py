@@ -24,6 +24,7 @@ import redis
 from buffer.codec import F_DATA, EntryHeader, decode_group_payload, read_header
 from buffer.keys import LEARNER_GROUP, RedisKeys
 from buffer.policy import stale_counter, staleness_of
+from buffer.replies import text
 from buffer.scripts import Scripts, ensure_group
 from buffer.settle import Settlement
 from tether.config.buffer import BufferConfig
@@ -43,10 +44,6 @@ class BufferedGroup:
     entry_id: str
     group: GroupData
     staleness: int
-
-
-def _sid(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
 
 
 class TrajectoryReader:
@@ -77,7 +74,7 @@ class TrajectoryReader:
             if not entries:
                 break
             queued += self._queue_with_deliveries(entries)
-            start = _sid(entries[-1][0])
+            start = text(entries[-1][0])
         queued += self._autoclaim()
         if queued:
             log.info("buffer_recovered", consumer=self.consumer, entries=queued)
@@ -93,7 +90,7 @@ class TrajectoryReader:
             # Redis 6.2 reports entries deleted while pending as (None, None); 7.x drops them from the PEL.
             entries = [(i, f) for i, f in reply[1] if i is not None]
             queued += self._queue_with_deliveries(entries)
-            start = _sid(reply[0])
+            start = text(reply[0])
             if start == "0-0":
                 return queued
 
@@ -102,14 +99,14 @@ class TrajectoryReader:
             return 0
         # An entry this reader already handed out (a learner step longer than claim_idle_ms) is in use,
         # not abandoned: queueing it again would train on it twice.
-        entries = [(i, f) for i, f in entries if _sid(i) not in self._inflight]
+        entries = [(i, f) for i, f in entries if text(i) not in self._inflight]
         if not entries:
             return 0
-        ids = [_sid(i) for i, _ in entries]
+        ids = [text(i) for i, _ in entries]
         pending = self.client.xpending_range(
             self.keys.trajectories, LEARNER_GROUP, min=ids[0], max=ids[-1], count=len(ids), consumername=self.consumer
         )
-        deliveries = {_sid(p["message_id"]): int(p["times_delivered"]) for p in pending}
+        deliveries = {text(p["message_id"]): int(p["times_delivered"]) for p in pending}
         for eid, (_, fields) in zip(ids, entries, strict=True):
             self._backlog.append((eid, fields, deliveries.get(eid, 1)))
         return len(entries)
@@ -154,7 +151,7 @@ class TrajectoryReader:
                     count=want,
                     block=remaining_ms if remaining_ms >= 1 else None,  # BLOCK 0 would wait forever
                 )
-                batch = [(_sid(i), f, 1) for i, f in reply[0][1]] if reply else []
+                batch = [(text(i), f, 1) for i, f in reply[0][1]] if reply else []
             if not batch:
                 break
             out.extend(self._accept(batch, current_version=current_version, max_staleness=max_staleness))

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 import redis
 
 from buffer.keys import RedisKeys
+from buffer.replies import text
 
 
 @dataclass
@@ -44,7 +45,7 @@ class ServerRegistry:
 
     def live(self) -> list[ServerInfo]:
         """Servers whose heartbeat has not expired, sorted by id."""
-        ids = sorted(_str(i) for i in self.client.smembers(self.keys.servers))
+        ids = sorted(text(i) for i in self.client.smembers(self.keys.servers))
         if not ids:
             return []
         pipe = self.client.pipeline(transaction=False)
@@ -81,10 +82,6 @@ class ServerRegistry:
         pipe.delete(self.keys.server(server_id))
         pipe.srem(self.keys.servers, server_id)
         pipe.execute()
-
-
-def _str(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
 
 
 def _parse(sid: str, raw: bytes | str | None, pttl: int) -> ServerInfo | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import redis
 
 from buffer.keys import RedisKeys
+from buffer.replies import text
 from buffer.scripts import Scripts
 
 
@@ -62,4 +63,4 @@ class Settlement:
         self.rows = []
         self.counters = {}
         it = iter(reply)
-        return {(c.decode() if isinstance(c, bytes) else c): int(n) for c, n in zip(it, it, strict=True)}
+        return {text(c): int(n) for c, n in zip(it, it, strict=True)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import redis
 
 from buffer.keys import LEARNER_GROUP, RedisKeys
+from buffer.replies import str_keys, text
 
 # KEYS: stream. Returns {oldest id or '', server time s, server time µs}.
 _OLDEST = """
@@ -45,7 +46,7 @@ def _oldest_age_s(reply: object) -> float:
     if isinstance(reply, Exception) or not reply:
         return 0.0
     first, secs, usecs = reply
-    first = first.decode() if isinstance(first, bytes) else str(first)
+    first = text(first)
     if not first:
         return 0.0
     now_ms = int(secs) * 1000 + int(usecs) // 1000
@@ -66,7 +67,7 @@ def buffer_stats(client: redis.Redis, keys: RedisKeys) -> dict[str, float]:
     pipe.get(keys.version)
     depth, counters, hist, age, pending, prompts, dead, version = pipe.execute(raise_on_error=False)
 
-    counters = {k.decode() if isinstance(k, bytes) else k: v for k, v in dict(_ok(counters, {})).items()}
+    counters = str_keys(dict(_ok(counters, {})))
     out: dict[str, float] = {
         "buffer/depth": float(_ok(depth, 0)),
         "buffer/bytes": float(counters.get("bytes", 0)),

@@ -19,14 +19,11 @@ import redis
 from google.protobuf.message import DecodeError
 
 from buffer.keys import VALIDATION_GROUP, RedisKeys
+from buffer.replies import text
 from buffer.scripts import ensure_group
 from tether.v1.trajectory_pb2 import Prompt
 
 _F_PROMPT, _F_ROUND, _F_VERSION, _F_N, _F_TEMP, _F_MAXTOK = b"p", b"r", b"v", b"n", b"t", b"m"
-
-
-def _s(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
 
 
 @dataclass
@@ -115,7 +112,7 @@ class ValidationQueue:
             try:
                 prompt = Prompt()
                 prompt.ParseFromString(f[_F_PROMPT])
-                item = ValPrompt(_s(eid), prompt, int(f[_F_ROUND]), int(f[_F_VERSION]), int(f[_F_N]),
+                item = ValPrompt(text(eid), prompt, int(f[_F_ROUND]), int(f[_F_VERSION]), int(f[_F_N]),
                                  float(f[_F_TEMP]), int(f[_F_MAXTOK]))  # fmt: skip
             except (DecodeError, KeyError, ValueError, TypeError):
                 self.client.xack(self.keys.val_prompts, VALIDATION_GROUP, eid)  # unusable: the learner counts it

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import redis
 
 from buffer.keys import RedisKeys
+from buffer.replies import text
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ def held_versions(client: redis.Redis, keys: RedisKeys, server_ids: list[str] | 
     raw = client.hgetall(keys.weights_held)
     out: dict[str, Held] = {}
     for k, v in raw.items():
-        sid = k.decode() if isinstance(k, bytes) else k
+        sid = text(k)
         try:
             body = json.loads(v)
             out[sid] = Held(int(body["version"]), str(body.get("peer", "")))

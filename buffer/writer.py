@@ -27,6 +27,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from buffer.codec import encode_group_payload
 from buffer.keys import RedisKeys
+from buffer.replies import text
 from buffer.scripts import Scripts
 from tether.config.buffer import BufferConfig
 from tether.trajectory import GroupData, InvalidTrajectory
@@ -73,10 +74,6 @@ def _coalesce(pieces: list[bytes]) -> list[bytes]:
     if run:
         out.append(b"".join(run))
     return out
-
-
-def _stream_id(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 class BufferFull(RuntimeError):
@@ -187,7 +184,7 @@ class TrajectoryWriter:
                     if status < 0:
                         waiting.append(p.payload_key)
                     else:
-                        decided[j] = _stream_id(r[1]) if status == 1 else None
+                        decided[j] = text(r[1]) if status == 1 else None
                 if waiting:
                     self.client.delete(*waiting)
                 full.decided = decided
@@ -200,7 +197,7 @@ class TrajectoryWriter:
         while True:
             status = int(reply[0])
             if status == 1:
-                return _stream_id(reply[1])
+                return text(reply[1])
             if status == 0:
                 return None
             now = time.monotonic()
