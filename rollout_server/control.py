@@ -3,9 +3,8 @@
 Pause and resume act on the engine directly. The three weight-update stages belong to
 ``weight_sync.receiver.WeightReceiver`` (docs/ARCHITECTURE.md), wired here to the engine: the engine is
 what it loads into (its ``load_weights``), by the delivery the engine picks (``weight_delivery``: in this
-process, or inside vLLM's workers). It is imported lazily, on the first update, so a server runs (and
-Generate works) without the weight_sync package, and an update against such a server fails with
-UNIMPLEMENTED and a message rather than at start-up.
+process, or inside vLLM's workers). It is imported on the first update, so a server that is never
+updated does not load the weight-transfer stack.
 """
 
 from __future__ import annotations
@@ -32,13 +31,8 @@ def inflight_policy(value: int, default: Literal["keep", "drain"]) -> Literal["k
 
 def load_receiver(state: ServerState) -> Any:
     """A ``WeightReceiver`` for this server's engine, or BadRequest(UNIMPLEMENTED) saying why not."""
-    try:
-        from weight_sync.receiver import WeightReceiver
-    except ImportError as e:
-        raise BadRequest(
-            f"weight updates are unavailable on this server: weight_sync.receiver cannot be imported ({e})",
-            grpc.StatusCode.UNIMPLEMENTED,
-        ) from None
+    from weight_sync.receiver import WeightReceiver
+
     try:
         return WeightReceiver(state.engine, state.cfg, delivery=state.engine.weight_delivery(state.cfg))
     except NotImplementedError as e:  # an engine that refuses weight updates outright

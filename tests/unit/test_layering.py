@@ -14,6 +14,9 @@ import cannot hide an upward edge.
 Weight sync in particular never reaches into an engine (issue 33): it never imports ``rollout_server``
 (not even by a dotted name in a string) and has no variable, argument or attribute named ``engine`` or
 ``llm`` — it calls what it loads into through ``weight_sync.loading.WeightLoader`` and nothing else.
+
+No module takes another's private names (issue 35): ``from X import _y`` with ``X`` another first-party
+module means ``_y`` is shared, so it gets a public name in one home both import.
 """
 
 from __future__ import annotations
@@ -155,3 +158,45 @@ def test_weight_sync_never_reaches_into_an_engine():
 def test_the_engine_rule_can_fail(source, reaches):
     """The weight_sync check flags an import of the rollout server or any use of an engine, nothing else."""
     assert bool(engine_reach(source)) is reaches
+
+
+def private_imports(module: str, source: str) -> list[str]:
+    """The underscore names ``module`` imports from another first-party module (dunders are public)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+            continue
+        if node.module == module or _unit(node.module) not in LAYER:
+            continue
+        found += [
+            f"line {node.lineno}: from {node.module} import {a.name}"
+            for a in node.names
+            if a.name.startswith("_") and not a.name.startswith("__")
+        ]
+    return found
+
+
+def test_no_private_name_crosses_a_module():
+    bad = [
+        f"{module}: {hit}"
+        for module, path in _modules()
+        for hit in private_imports(module, path.read_text(encoding="utf-8"))
+    ]
+    assert not bad, "private names imported from another module (give them a public home):\n  " + "\n  ".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "private"),
+    [
+        ("tether.commands.console", "from tether.commands.status import _fmt, render_status", True),
+        ("learner.main", "def f():\n    from buffer.writer import _coalesce", True),
+        ("buffer.reader", "from weight_sync.receiver import _Stage", True),
+        ("tether.commands.console", "from tether.commands.sample import fmt", False),
+        ("tether.commands.cli", "from tether import __version__", False),
+        ("buffer.reader", "from collections import _chain_map", False),
+        ("buffer.reader", "from buffer.reader import _helper", False),
+    ],
+)
+def test_the_private_rule_can_fail(module, source, private):
+    """The check flags a single-underscore name taken from another first-party module, nothing else."""
+    assert bool(private_imports(module, source)) is private

@@ -22,7 +22,7 @@ import redis
 
 from buffer import RedisKeys
 from buffer.health import RunWatch
-from tether.commands.status import _fmt, _rate, _recent_staleness, _Sample
+from tether.commands.sample import Sample, fmt, rate, recent_staleness
 from tether.commands.watchdog import Watchdog
 from tether.config import TetherConfig
 from tether.logs import get_logger
@@ -72,7 +72,7 @@ class ProgressLine:
         # Rows already in the file belong to earlier lifetimes of a resumed run.
         self._offset = metrics_path.stat().st_size if metrics_path is not None and metrics_path.exists() else 0
         self._client: redis.Redis | None = None
-        self._last: _Sample | None = None
+        self._last: Sample | None = None
         self._gen_rate: float | None = None
         self._width = 0
         self._last_plain = time.monotonic()
@@ -85,7 +85,7 @@ class ProgressLine:
         try:
             if self._client is None:
                 self._client = connect_redis(self.cfg.buffer.redis_url, timeout_s=0.5)
-            new = _Sample(self._client, self.keys)
+            new = Sample(self._client, self.keys)
         except Exception:
             # Anything at all (Redis down, a half-written key): the launcher's loop must keep running.
             self._drop_client()
@@ -94,12 +94,12 @@ class ProgressLine:
         self._redis_failures = 0
         old, self._last = self._last, new
         s = new.stats
-        self._gen_rate = _rate(new, old, "buffer/tokens")
+        self._gen_rate = rate(new, old, "buffer/tokens")
         return (
             f"step {new.learner_str('step')} | v{new.version} | "
-            f"reward {_fmt(new.learner_float('reward_mean'), '.3f')} | "
-            f"gen {_fmt(self._gen_rate, '.0f')} tok/s | "
-            f"staleness {_recent_staleness(new, old):.2f} | buffer {s['buffer/depth']:.0f}"
+            f"reward {fmt(new.learner_float('reward_mean'), '.3f')} | "
+            f"gen {fmt(self._gen_rate, '.0f')} tok/s | "
+            f"staleness {recent_staleness(new, old):.2f} | buffer {s['buffer/depth']:.0f}"
         )
 
     def update(self) -> None:
@@ -181,9 +181,9 @@ class ProgressLine:
         version = row.get("learner/version")
         depth = self._last.stats["buffer/depth"] if self._last is not None else None
         return (
-            f"step {row['step']}/{self.cfg.learner.total_steps} | v{_fmt(version, '.0f')} | "
-            f"reward {_fmt(row.get('reward/mean'), '.3f')} | gen {_fmt(self._gen_rate, '.0f')} tok/s | "
-            f"staleness {_fmt(row.get('staleness/mean'), '.2f')} | buffer {_fmt(depth, '.0f')}"
+            f"step {row['step']}/{self.cfg.learner.total_steps} | v{fmt(version, '.0f')} | "
+            f"reward {fmt(row.get('reward/mean'), '.3f')} | gen {fmt(self._gen_rate, '.0f')} tok/s | "
+            f"staleness {fmt(row.get('staleness/mean'), '.2f')} | buffer {fmt(depth, '.0f')}"
         )
 
     def _new_rows(self) -> list[dict[str, Any]]:
@@ -250,10 +250,10 @@ def summary_lines(cfg: TetherConfig, paths: RunPaths, *, outcome: str, started: 
         )
         samples = sum(_samples(r, cfg.rollout.n) for r in rows)
         span = last["time"] - first["time"] + (first.get("timing/step") or 0.0)
-        rate = f"{samples / span:.1f} samples/s" if span > 0 else "- samples/s"
+        speed = f"{samples / span:.1f} samples/s" if span > 0 else "- samples/s"
         stale = [r["staleness/mean"] for r in rows if r.get("staleness/mean") is not None]
         mean_stale = f", staleness mean {sum(stale) / len(stale):.2f}" if stale else ""
-        lines.append(f"throughput {rate} trained ({samples:.0f} samples in {_duration(span)} of training{mean_stale})")
+        lines.append(f"throughput {speed} trained ({samples:.0f} samples in {_duration(span)} of training{mean_stale})")
     lines.append(f"run folder {paths.root}")
     for label, path in (
         ("plot", paths.plots / "curves.png"),

@@ -1,4 +1,4 @@
-"""``tether status``: a run, as Redis sees it (the console of ``tether up`` reuses the samples).
+"""``tether status``: a run, as Redis sees it (samples from ``tether.commands.sample``, as the console's).
 
 Everything shown is read from the run's Redis keys (``buffer.keys.RedisKeys``): the published policy
 version, the learner's hash (``step``, ``reward_mean``, ``tokens_per_s`` when it publishes them), buffer
@@ -14,8 +14,9 @@ from typing import TextIO
 
 import redis
 
-from buffer import RedisKeys, ServerRegistry, buffer_stats, read_version
+from buffer import RedisKeys, ServerRegistry
 from buffer.ledger import format_books, run_books
+from tether.commands.sample import Sample, fmt, rate
 from tether.commands.watchdog import Watchdog
 from tether.config import TetherConfig
 from tether.redis_server import RedisUnavailable, connect_redis
@@ -24,47 +25,7 @@ from tether.runs import run_paths
 _ERRORS = (redis.RedisError, RedisUnavailable, OSError, ValueError)
 
 
-class _Sample:
-    def __init__(self, client: redis.Redis, keys: RedisKeys) -> None:
-        self.time = time.monotonic()
-        self.version = read_version(client, keys)
-        self.stats = buffer_stats(client, keys)
-        raw = client.hgetall(keys.learner)
-        self.learner = {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
-
-    def learner_str(self, name: str) -> str:
-        raw = self.learner.get(name)
-        return raw.decode(errors="replace") if isinstance(raw, bytes) else "-"
-
-    def learner_float(self, name: str) -> float | None:
-        try:
-            return float(self.learner[name])
-        except (KeyError, ValueError, TypeError):
-            return None
-
-
-def _rate(new: _Sample, old: _Sample | None, key: str) -> float | None:
-    if old is None or new.time <= old.time:
-        return None
-    return (new.stats[key] - old.stats[key]) / (new.time - old.time)
-
-
-def _recent_staleness(new: _Sample, old: _Sample | None) -> float:
-    """Mean staleness of groups trained on since ``old`` (all of the run's when there is no ``old``)."""
-    lags = {}
-    for k, v in new.stats.items():
-        if k.startswith("buffer/staleness/"):
-            lag = int(k.rsplit("/", 1)[1])
-            lags[lag] = v - (old.stats.get(k, 0.0) if old else 0.0)
-    total = sum(lags.values())
-    return sum(k * v for k, v in lags.items()) / total if total > 0 else new.stats.get("buffer/staleness_mean", 0.0)
-
-
-def _fmt(value: float | None, spec: str = ".1f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _validation_line(sample: _Sample) -> str:
+def _validation_line(sample: Sample) -> str:
     """The latest evaluation round the learner logged (``learner.test_freq``), or that there is none."""
     if sample.learner_str("val_step") == "-":
         return "validation: -"
@@ -72,9 +33,9 @@ def _validation_line(sample: _Sample) -> str:
     k_str = "k" if k is None else f"{k:.0f}"
     return (
         f"validation (step {sample.learner_str('val_step')}): mean@{k_str} "
-        f"{_fmt(sample.learner_float('val_mean_at_k'), '.3f')}   pass@{k_str} "
-        f"{_fmt(sample.learner_float('val_pass_at_k'), '.3f')}   "
-        f"missing {_fmt(sample.learner_float('val_missing'), '.0f')}"
+        f"{fmt(sample.learner_float('val_mean_at_k'), '.3f')}   pass@{k_str} "
+        f"{fmt(sample.learner_float('val_pass_at_k'), '.3f')}   "
+        f"missing {fmt(sample.learner_float('val_missing'), '.0f')}"
     )
 
 
@@ -89,13 +50,13 @@ def stuck_line(cfg: TetherConfig) -> str:
     return f"\nstuck: {stuck}" if stuck else ""
 
 
-def render_status(cfg: TetherConfig, client: redis.Redis, new: _Sample, old: _Sample | None) -> str:
+def render_status(cfg: TetherConfig, client: redis.Redis, new: Sample, old: Sample | None) -> str:
     keys = RedisKeys(cfg.run.run_id or "")
     s = new.stats
     tokens_per_s = new.learner_float("tokens_per_s")
     lines = [
         f"run {cfg.run.run_id}   policy version {new.version}   learner step {new.learner_str('step')}",
-        f"reward mean {_fmt(new.learner_float('reward_mean'), '.3f')}   learner tokens/s {_fmt(tokens_per_s, '.0f')}",
+        f"reward mean {fmt(new.learner_float('reward_mean'), '.3f')}   learner tokens/s {fmt(tokens_per_s, '.0f')}",
         _validation_line(new),
         "",
         f"buffer: depth {s['buffer/depth']:.0f}   pending {s['buffer/pending']:.0f}   "
@@ -108,9 +69,9 @@ def render_status(cfg: TetherConfig, client: redis.Redis, new: _Sample, old: _Sa
         f"episode groups never filled {s['buffer/episode_groups_incomplete']:.0f}",
         f"staleness: mean {s['buffer/staleness_mean']:.2f}   max {s['buffer/staleness_max']:.0f}   "
         f"(max_staleness {cfg.algorithm.max_staleness})",
-        f"throughput: produced {_fmt(_rate(new, old, 'buffer/produced'))} groups/s   "
-        f"trained {_fmt(_rate(new, old, 'buffer/acknowledged'))} groups/s   "
-        f"generated {_fmt(_rate(new, old, 'buffer/tokens'), '.0f')} tokens/s",
+        f"throughput: produced {fmt(rate(new, old, 'buffer/produced'))} groups/s   "
+        f"trained {fmt(rate(new, old, 'buffer/acknowledged'))} groups/s   "
+        f"generated {fmt(rate(new, old, 'buffer/tokens'), '.0f')} tokens/s",
         "",
     ]
     lines += [*format_books(run_books(client, keys)), ""]
@@ -154,10 +115,10 @@ def show_status(cfg: TetherConfig, *, watch: bool = False, out: TextIO | None = 
         print(f"tether status: redis: unreachable — {e}", file=sys.stderr)
         return 1
     try:
-        old = _Sample(client, keys)
+        old = Sample(client, keys)
         while True:
             time.sleep(interval_s)
-            new = _Sample(client, keys)
+            new = Sample(client, keys)
             text = render_status(cfg, client, new, old) + stuck_line(cfg)
             if watch and out.isatty():
                 out.write("\x1b[H\x1b[2J")  # clear the screen: a top-like view
