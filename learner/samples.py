@@ -44,6 +44,7 @@ import redis
 from buffer import BufferedGroup
 from buffer.codec import decode_group_payload
 from buffer.keys import RedisKeys
+from buffer.replies import text
 from learner.advantages import assign_advantages, get_estimator
 from learner.batch import build_samples
 from tether.config import TetherConfig
@@ -249,9 +250,8 @@ class GenerationLog:
 
 
 def _text(raw: bytes | str | None) -> str:
-    if raw is None:
-        return ""
-    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    """A dead letter's field as text ("" where it is missing), undecodable bytes replaced."""
+    return "" if raw is None else text(raw, errors="replace")
 
 
 def dead_record(
