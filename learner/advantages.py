@@ -7,13 +7,19 @@ completion), the layout verl's ``core_algos`` uses, so each entry reads as its f
   reward: tether's rewards are per trajectory);
 - ``mask``: the loss mask (1.0 on trained tokens; environment tokens of a multi-turn episode are 0);
 - ``group_ids``: ``[S]``, the prompt each sample answers (dense ``0..G-1``);
-- ``values``: ``[S, T]`` the critic's values of the tokens' states (estimators that need a critic only).
+- ``values``: ``[S, T]`` the critic's values of the tokens' states (estimators that need a critic only);
+- ``ref_logprobs``: ``[S, T]`` the frozen reference model's log-probs of the tokens (estimators that need
+  a reference only).
 
 It returns ``(advantages, returns)``, both ``[S, T]``; ``returns`` are the critic's regression targets
 (the estimators without a critic return their advantages there, as verl does). Every rank holds the
 whole step's samples, so batch statistics (whitening) are over the whole step on every rank alike.
 
-A new estimator is one decorated function here plus its name in ``AlgorithmConfig.adv_estimator``.
+A new estimator is one decorated function, ``@register_adv_est("<name>", needs_critic=..., needs_reference=...)``:
+the decorator also declares the name and its needs to the config (:mod:`tether.config.adv_estimator`, where
+the built-ins are declared too, so a config is checked before torch is imported), which then accepts the
+name and refuses a config that lacks what it needs. The trainer reads the needs: it runs the critic or the
+reference pass before the estimator when asked to.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 from torch import Tensor
 
 from learner.packing import Sample
+from tether.config.adv_estimator import AdvEstimatorSpec, declare_adv_estimator
 from tether.config.algorithm import AlgorithmConfig
 
 
@@ -37,6 +44,7 @@ class AdvantageBatch:
     mask: Tensor
     group_ids: Tensor
     values: Tensor | None = None
+    ref_logprobs: Tensor | None = None
 
 
 EstimatorFn = Callable[[AdvantageBatch, AlgorithmConfig], tuple[Tensor, Tensor]]
@@ -45,18 +53,35 @@ EstimatorFn = Callable[[AdvantageBatch, AlgorithmConfig], tuple[Tensor, Tensor]]
 @dataclass(frozen=True)
 class Estimator:
     fn: EstimatorFn
-    needs_critic: bool
-    """The learner runs a critic (values before the step, a value update in it)."""
+    spec: AdvEstimatorSpec
+
+    @property
+    def needs_critic(self) -> bool:
+        """The learner runs a critic (values before the step, a value update in it)."""
+        return self.spec.needs_critic
+
+    @property
+    def needs_reference(self) -> bool:
+        """The learner runs the reference model over the step's samples before the estimator."""
+        return self.spec.needs_reference
 
 
 ESTIMATORS: dict[str, Estimator] = {}
+"""``algorithm.adv_estimator`` -> its function and needs; the config keys the needs alike
+(:data:`tether.config.adv_estimator.ADV_ESTIMATORS`)."""
 
 
-def register_adv_est(name: str, *, needs_critic: bool = False) -> Callable[[EstimatorFn], EstimatorFn]:
+def register_adv_est(
+    name: str, *, needs_critic: bool = False, needs_reference: bool = False
+) -> Callable[[EstimatorFn], EstimatorFn]:
+    """Decorator: ``fn`` is the estimator ``adv_estimator: name`` selects; declares ``name`` and its needs
+    to the config (the same needs as a built-in declaration, or a new name)."""
+
     def add(fn: EstimatorFn) -> EstimatorFn:
         if name in ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is registered twice")
-        ESTIMATORS[name] = Estimator(fn, needs_critic)
+        spec = declare_adv_estimator(name, needs_critic=needs_critic, needs_reference=needs_reference)
+        ESTIMATORS[name] = Estimator(fn, spec)
         return fn
 
     return add
@@ -66,7 +91,11 @@ def get_estimator(name: str) -> Estimator:
     try:
         return ESTIMATORS[name]
     except KeyError:
-        raise ValueError(f"algorithm.adv_estimator: unknown {name!r}; known: {', '.join(sorted(ESTIMATORS))}") from None
+        known = ", ".join(sorted(ESTIMATORS))
+        raise ValueError(
+            f"algorithm.adv_estimator: no estimator function for {name!r} (known: {known}) — decorate one with "
+            f"@register_adv_est({name!r}) in a module the learner imports"
+        ) from None
 
 
 # ----- helpers (verl's masked statistics)
@@ -211,28 +240,36 @@ def padded(samples: list[Sample], name: str) -> Tensor:
     return out
 
 
-def advantage_batch(samples: list[Sample], *, with_values: bool) -> AdvantageBatch:
+def advantage_batch(samples: list[Sample], *, with_values: bool = False, with_ref: bool = False) -> AdvantageBatch:
     """The padded view of ``samples``; the reward sits on each sample's last trained token (on its last
-    token when it has none: a fully masked sample still counts in its group's baseline, as in verl)."""
+    token when it has none: a fully masked sample still counts in its group's baseline, as in verl).
+    ``with_values``/``with_ref``: also the critic's values, the reference's log-probs (set on the samples)."""
     mask = padded(samples, "loss_mask")
     rewards = torch.zeros_like(mask)
     for k, s in enumerate(samples):
         trained = np.flatnonzero(s.loss_mask)
         rewards[k, int(trained[-1]) if trained.size else s.num_completion - 1] = s.reward
     _, group_ids = torch.unique(torch.tensor([s.group for s in samples]), return_inverse=True)
-    values = padded(samples, "values") if with_values else None
-    return AdvantageBatch(token_rewards=rewards, mask=mask, group_ids=group_ids, values=values)
+    return AdvantageBatch(
+        token_rewards=rewards,
+        mask=mask,
+        group_ids=group_ids,
+        values=padded(samples, "values") if with_values else None,
+        ref_logprobs=padded(samples, "ref_logprobs") if with_ref else None,
+    )
 
 
 def assign_advantages(samples: list[Sample], cfg: AlgorithmConfig) -> None:
     """Run ``cfg.adv_estimator`` over ``samples`` and store each sample's per-token advantages and returns.
 
     The one place a step's advantages are computed. ``samples`` are all of the step's usable samples,
-    fully masked ones included (they are in their group's baseline, as in verl, but are not trained on)."""
+    fully masked ones included (they are in their group's baseline, as in verl, but are not trained on);
+    they carry the critic's values or the reference's log-probs when the estimator needs them."""
     if not samples:
         return
     est = get_estimator(cfg.adv_estimator)
-    adv, ret = est.fn(advantage_batch(samples, with_values=est.needs_critic), cfg)
+    batch = advantage_batch(samples, with_values=est.needs_critic, with_ref=est.needs_reference)
+    adv, ret = est.fn(batch, cfg)
     for k, s in enumerate(samples):
         n = s.num_completion
         s.advantage = adv[k, :n].float().numpy()

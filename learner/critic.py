@@ -207,14 +207,12 @@ def value_metrics(samples: list[Sample]) -> dict[str, float]:
 
 
 def build_critic(cfg: TetherConfig, device: torch.device) -> Critic | None:
-    """The sharded critic when ``algorithm.adv_estimator`` needs one (``gae``), else None."""
-    from learner.advantages import get_estimator
+    """The sharded critic when ``algorithm.adv_estimator`` needs one (``gae``), else None. What the critic
+    needs from the rest of the config (no Ulysses sequence parallelism) was checked when it was loaded
+    (:func:`tether.config.adv_estimator.check_estimator_needs`)."""
     from learner.parallelize import parallelize
 
-    if not get_estimator(cfg.algorithm.adv_estimator).needs_critic:
+    if not cfg.algorithm.estimator.needs_critic:
         return None
-    if cfg.learner.ulysses_sequence_parallel_size > 1:
-        raise ValueError("algorithm.adv_estimator: gae with learner.ulysses_sequence_parallel_size > 1 is not "
-                         "supported yet (the critic plans over all ranks) — set it to 1 or use grpo")  # fmt: skip
     view = critic_view(cfg)
     return Critic(cfg, parallelize(load_value_model(cfg, device), view, device), device=device)

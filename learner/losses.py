@@ -14,14 +14,17 @@ max).
 GRPO, Dr.GRPO and DAPO are all :func:`policy_loss` (PPO-clip with asymmetric and dual clip, decoupled
 importance weights) with particular settings, not branches of their own. A policy loss is one function
 here, registered under its ``algorithm.policy_loss.loss_mode`` (:func:`register_policy_loss`), plus one
-config class for its own knobs (:mod:`tether.config.policy_loss`); it is given the ``algorithm`` section
-itself, so the trainer copies no fields. :func:`value_loss` is the critic's (PPO with GAE). The
-advantages are in :mod:`learner.advantages`.
+config class for its own knobs (:mod:`tether.config.policy_loss`). Every policy loss has one signature,
+``(inputs: PolicyLossInputs, settings: AlgorithmConfig) -> (loss, metrics)``: the micro-batch's tensors
+in one typed object the trainer builds once, and the ``algorithm`` section itself, so the trainer copies
+no fields; a new input is one field of :class:`PolicyLossInputs` and one line where the trainer fills it.
+:func:`value_loss` is the critic's (PPO with GAE). The advantages are in :mod:`learner.advantages`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -119,70 +122,88 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, *, kind: str) -> Tensor:
     raise ValueError(f"kl_loss_type must be 'k1' or 'k3', not {kind!r}")
 
 
-def policy_loss(
-    *,
-    logprobs: Tensor,
-    proximal_logprobs: Tensor,
-    behavior_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    seq_ids: Tensor,
-    global_tokens: float,
-    global_seqs: float,
-    settings: AlgorithmConfig,
-    norm_len: float = 1.0,
-    entropy: Tensor | None = None,
-    ref_logprobs: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+@dataclass
+class PolicyLossInputs:
+    """One micro-batch's inputs of a policy loss: tensors ``[N]``, one entry per completion token."""
+
+    logprobs: Tensor
+    """Under the current weights, with grad."""
+    proximal_logprobs: Tensor
+    """Recomputed before the update (decoupled PPO's proximal policy), or the behaviour ones when not."""
+    behavior_logprobs: Tensor
+    """The rollout's, from the policy that sampled the tokens."""
+    advantages: Tensor
+    mask: Tensor
+    """1.0 on trained tokens."""
+    seq_ids: Tensor
+    """Each token's sequence in the micro-batch (long)."""
+    global_tokens: float
+    """Trained tokens of the whole mini-batch on all ranks (the aggregation's denominator)."""
+    global_seqs: float
+    """Sequences of the whole mini-batch on all ranks."""
+    norm_len: float = 1.0
+    """Dr.GRPO's constant length (``rollout.max_tokens``) for ``seq-mean-token-sum-norm``."""
+    entropy: Tensor | None = None
+    """Per-token entropy of the current policy (with grad when the entropy bonus is on)."""
+    ref_logprobs: Tensor | None = None
+    """Under the frozen reference model; None when the run loads none."""
+
+    @classmethod
+    def empty(cls) -> PolicyLossInputs:
+        """No tokens, every optional input present: a loss's call on it names all the metrics it reports."""
+        z = torch.zeros(0)
+        return cls(logprobs=z, proximal_logprobs=z, behavior_logprobs=z, advantages=z, mask=z,
+                   seq_ids=z.long(), global_tokens=1.0, global_seqs=1.0, entropy=z, ref_logprobs=z)  # fmt: skip
+
+
+def policy_loss(inputs: PolicyLossInputs, settings: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """Decoupled PPO-clip with asymmetric clip, dual clip, truncated IS, KL and entropy terms.
 
-    All tensors [N] (one per completion token): ``logprobs`` under the current weights (with grad);
-    ``proximal_logprobs`` recomputed before the update (or the behaviour ones when not recomputed);
-    ``behavior_logprobs`` from the rollout; ``advantages`` per token; ``mask`` 1.0 on trained tokens.
     ratio = exp(logprobs - proximal); per-token loss = w * max(-A*ratio, -A*clip(ratio, 1-lo, 1+hi)),
     for A < 0 additionally capped at -A*c (dual clip); w = truncated proximal/behaviour weight.
-    ``settings``: the ``algorithm`` section itself (clip ratios, IS, KL, entropy, aggregation);
-    ``norm_len``: Dr.GRPO's constant length (``rollout.max_tokens``).
+    ``settings``: the ``algorithm`` section itself (clip ratios, IS, KL, entropy, aggregation).
     Returns the scalar loss share and summable metrics (see the module docstring).
     """
-    s = settings
-    agg = dict(mode=s.loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len)
-    mask = mask.to(logprobs.dtype)
-    log_ratio = (logprobs - proximal_logprobs.detach()).clamp(-20.0, 20.0)
+    x, s = inputs, settings
+    lp, adv, seq_ids = x.logprobs, x.advantages, x.seq_ids
+    agg = dict(mode=s.loss_agg_mode, global_tokens=x.global_tokens, global_seqs=x.global_seqs, norm_len=x.norm_len)
+    mask = x.mask.to(lp.dtype)
+    log_ratio = (lp - x.proximal_logprobs.detach()).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
-    pg1 = -advantages * ratio
-    pg2 = -advantages * ratio.clamp(1.0 - s.clip_ratio_low, 1.0 + s.clip_ratio_high)
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - s.clip_ratio_low, 1.0 + s.clip_ratio_high)
     clipped = torch.maximum(pg1, pg2)
-    pg3 = -advantages * s.clip_ratio_c
+    pg3 = -adv * s.clip_ratio_c
     dual = torch.minimum(clipped, pg3)
-    pg_tok = torch.where(advantages < 0, dual, clipped)
+    pg_tok = torch.where(adv < 0, dual, clipped)
     weights, capped = importance_weights(
-        proximal_logprobs, behavior_logprobs, seq_ids, mask, cap=s.tis_imp_ratio_cap, level=s.tis_level, mode=s.tis_mode
-    )
+        x.proximal_logprobs, x.behavior_logprobs, seq_ids, mask,
+        cap=s.tis_imp_ratio_cap, level=s.tis_level, mode=s.tis_mode,
+    )  # fmt: skip
     pg_loss = aggregate(pg_tok * weights, mask, seq_ids, **agg)
     total = pg_loss
-    tok_mean = dict(mode="token-mean", global_tokens=global_tokens, global_seqs=global_seqs)
+    tok_mean = dict(mode="token-mean", global_tokens=x.global_tokens, global_seqs=x.global_seqs)
     metrics: dict[str, Tensor] = {
         "loss/pg": pg_loss.detach(),
         "actor/clipfrac": aggregate((pg2 > pg1).float(), mask, seq_ids, **tok_mean),
-        "actor/clipfrac_dual": aggregate(((advantages < 0) & (pg3 < clipped)).float(), mask, seq_ids, **tok_mean),
+        "actor/clipfrac_dual": aggregate(((adv < 0) & (pg3 < clipped)).float(), mask, seq_ids, **tok_mean),
         "actor/ppo_kl": aggregate(-log_ratio.detach(), mask, seq_ids, **tok_mean),
         "actor/iw_mean": aggregate(weights, mask, seq_ids, **tok_mean),
         "actor/iw_capped_frac": aggregate(capped.float(), mask, seq_ids, **tok_mean),
         "actor/iw_max": (weights * mask).max() if weights.numel() else weights.new_zeros(()),
     }
-    if s.use_kl_loss and ref_logprobs is not None:
-        kl_tok = kl_penalty(logprobs, ref_logprobs.detach(), kind=s.kl_loss_type)
+    if s.use_kl_loss and x.ref_logprobs is not None:
+        kl_tok = kl_penalty(lp, x.ref_logprobs.detach(), kind=s.kl_loss_type)
         kl_loss = aggregate(kl_tok, mask, seq_ids, **agg)
         total = total + s.kl_loss_coef * kl_loss
         metrics["loss/kl"] = kl_loss.detach()
         metrics["actor/kl_ref"] = aggregate(kl_tok.detach(), mask, seq_ids, **tok_mean)
-    if entropy is not None:
-        ent_loss = aggregate(entropy, mask, seq_ids, **agg)
+    if x.entropy is not None:
+        ent_loss = aggregate(x.entropy, mask, seq_ids, **agg)
         if s.entropy_coeff:
             total = total - s.entropy_coeff * ent_loss
         metrics["loss/entropy"] = ent_loss.detach()
-        metrics["actor/entropy"] = aggregate(entropy.detach(), mask, seq_ids, **tok_mean)
+        metrics["actor/entropy"] = aggregate(x.entropy.detach(), mask, seq_ids, **tok_mean)
     metrics["loss/total"] = total.detach()
     return total, metrics
 
@@ -220,15 +241,15 @@ def value_loss(
     return loss, metrics
 
 
-PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+PolicyLossFn = Callable[[PolicyLossInputs, AlgorithmConfig], tuple[Tensor, dict[str, Tensor]]]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 """``algorithm.policy_loss.loss_mode`` -> the loss; each name also has a config class
 (:data:`tether.config.policy_loss.POLICY_LOSS_CONFIGS`)."""
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: ``fn`` is the loss ``loss_mode: name`` selects. It takes :func:`policy_loss`'s keyword
-    arguments and reads its own knobs from ``settings.policy_loss`` (its config class)."""
+    """Decorator: ``fn`` is the loss ``loss_mode: name`` selects. It takes ``(inputs, settings)`` as
+    :func:`policy_loss` does and reads its own knobs from ``settings.policy_loss`` (its config class)."""
 
     def add(fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:

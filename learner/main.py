@@ -66,9 +66,10 @@ def run(cfg: TetherConfig, *, resume: bool = False) -> int:
 
 
 def build_trainer(cfg: TetherConfig, device: torch.device) -> Trainer:
-    """The actor (FSDP2), the frozen reference when the KL term needs one, the critic when the estimator does."""
+    """The actor (FSDP2), the frozen reference when the KL term or the estimator needs one, the critic when
+    the estimator does."""
     model = parallelize(load_actor(cfg, device), cfg, device)
-    ref = parallelize(load_model(cfg, device), cfg, device, trainable=False) if cfg.algorithm.use_kl_loss else None
+    ref = parallelize(load_model(cfg, device), cfg, device, trainable=False) if cfg.algorithm.uses_reference else None
     critic = build_critic(cfg, device)  # PPO with GAE: a value model that never leaves the learner
     return Trainer(cfg, model, device=device, ref_model=ref, critic=critic)
 

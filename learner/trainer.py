@@ -5,9 +5,11 @@ checkpoint/resume equivalences). Every rank holds the same groups and derives th
 only collectives are FSDP's own, the gradient-norm reduction inside ``clip_grad_norm_`` and one
 all-reduce of the metrics (on one rank neither: :func:`clip_grad_norm`, :class:`MetricSums`).
 
-With a critic (``algorithm.adv_estimator: gae``) a step first scores the samples with it, then runs the
-advantage estimator (:mod:`learner.advantages`), updates the critic, and updates the actor unless the
-critic is still warming up (``critic.critic_warmup``).
+The advantage estimator (:mod:`learner.advantages`) declares what it reads beside the rewards: with a
+critic (``algorithm.adv_estimator: gae``) a step first scores the samples with it, with a reference model
+it first runs the reference's forward-only pass; then the estimator, the critic's update, and the actor's
+unless the critic is still warming up (``critic.critic_warmup``). The policy loss gets each micro-batch's
+tensors as one :class:`learner.losses.PolicyLossInputs`, built in one place (:meth:`Trainer._loss_inputs`).
 
 Losses are scaled by the world size before backward because FSDP2 averages gradients over ranks while
 :mod:`learner.losses` already normalises by the global token/sequence counts. With Ulysses sequence
@@ -26,14 +28,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from learner import ulysses
-from learner.advantages import assign_advantages
+from learner.advantages import assign_advantages, get_estimator
 from learner.batch import NOT_SKIPPED, build_samples
 from learner.critic import Critic
 from learner.logprobs import dummy_loss, forward_micro_batch
-from learner.losses import get_policy_loss
+from learner.losses import PolicyLossInputs, get_policy_loss
 from learner.offload import activation_offload
 from learner.optim import build_optimizer
-from learner.packing import Sample, make_micro_batch, per_token, plan_micro_batches, plan_within_ranks
+from learner.packing import MicroBatch, Sample, make_micro_batch, per_token, plan_micro_batches, plan_within_ranks
 from tether import spans
 from tether.config import TetherConfig
 from tether.logs import get_logger
@@ -133,6 +135,17 @@ class Trainer:
         self.cfg, self.model, self.ref_model, self.critic, self.device = cfg, model, ref_model, critic, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.policy_loss = get_policy_loss(cfg.algorithm.policy_loss.loss_mode)
+        self.estimator = get_estimator(cfg.algorithm.adv_estimator)
+        # The config refused a run without what its estimator needs; a caller building the trainer by hand
+        # hears it here rather than mid-step.
+        name = cfg.algorithm.adv_estimator
+        if self.estimator.needs_critic and critic is None:
+            raise ValueError(
+                f"adv_estimator {name!r} needs a critic: pass critic=learner.critic.build_critic(cfg, device)"
+            )
+        if self.estimator.needs_reference and ref_model is None:
+            raise ValueError(f"adv_estimator {name!r} needs the reference model: pass ref_model (build_trainer "
+                             "loads it when cfg.algorithm.uses_reference)")  # fmt: skip
         self.norm_len = float(cfg.rollout.max_tokens)  # Dr.GRPO's constant length
         self.offload = activation_offload(cfg, device)
         self.layout = ulysses.setup(lc.ulysses_sequence_parallel_size, num_heads=model.config.num_attention_heads)
@@ -144,11 +157,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.n_mini * lc.ppo_epochs))
         self.pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
         # The metric keys of one micro-batch, from an empty call: every rank reduces the same keys.
-        z = torch.zeros(0)
-        _, m = self.policy_loss(
-            logprobs=z, proximal_logprobs=z, behavior_logprobs=z, advantages=z, mask=z, seq_ids=z.long(),
-            global_tokens=1.0, global_seqs=1.0, settings=cfg.algorithm, entropy=z, ref_logprobs=z,
-        )  # fmt: skip
+        _, m = self.policy_loss(PolicyLossInputs.empty(), cfg.algorithm)
         self.metric_keys = sorted(m)
         # One optimizer update per step: the policy cannot change before it, so the proximal log-probs
         # are the update's own forward, detached (as TRL and on-policy verl do). The separate forward-only
@@ -261,29 +270,11 @@ class Trainer:
                     temperature=_temperatures(samples, index),
                     sp=self.sp,
                 )
-            dev = {"device": self.device}
-            behavior = per_token(samples, index, "behavior_logprobs").to(**dev)
-            if not a.recompute_logprobs:
-                proximal = behavior
-            elif proximal_from_forward:
-                proximal = logprobs.detach()
-            else:
-                proximal = per_token(samples, index, "proximal_logprobs").to(**dev)
-            ref = per_token(samples, index, "ref_logprobs").to(**dev) if self.ref_model is not None else None
-            loss, m = self.policy_loss(
-                logprobs=logprobs,
-                proximal_logprobs=proximal,
-                behavior_logprobs=behavior,
-                advantages=per_token(samples, index, "advantage").to(**dev),
-                mask=per_token(samples, index, "loss_mask").to(**dev),
-                seq_ids=mb.seq_ids.to(self.device),
-                global_tokens=g_tok,
-                global_seqs=g_seq,
-                settings=a,
-                norm_len=self.norm_len,
-                entropy=entropy,
-                ref_logprobs=ref,
-            )
+            inputs = self._loss_inputs(
+                samples, index, mb, logprobs, entropy, proximal_from_forward=proximal_from_forward,
+                global_tokens=g_tok, global_seqs=g_seq,
+            )  # fmt: skip
+            loss, m = self.policy_loss(inputs, a)
             with spans.span("backward", rows=len(index)):
                 (loss * self.world).backward()
             if not self.layout.sp_rank:  # the group's first rank counts its metrics
@@ -300,15 +291,57 @@ class Trainer:
         self.scheduler.step()
         return norm
 
-    def _train_actor(self, samples: list[Sample], minis: list[list[int]]) -> dict[str, float]:
-        """Forward-only passes, then ``ppo_epochs`` over the mini-batches; the policy's metrics."""
-        plans = [self._plan(samples, m, forward_only=False) for m in minis]
+    def _loss_inputs(
+        self,
+        samples: list[Sample],
+        index: list[int],
+        mb: MicroBatch,
+        logprobs: torch.Tensor,
+        entropy: torch.Tensor | None,
+        *,
+        proximal_from_forward: bool,
+        global_tokens: float,
+        global_seqs: float,
+    ) -> PolicyLossInputs:
+        """The policy loss's inputs for one micro-batch: the forward's log-probs and entropy, the samples'
+        per-token fields, the mini-batch's global counts. The one place a new loss input is filled."""
+
+        def field(name: str) -> torch.Tensor:
+            return per_token(samples, index, name).to(device=self.device)
+
+        behavior = field("behavior_logprobs")
+        if not self.cfg.algorithm.recompute_logprobs:
+            proximal = behavior
+        elif proximal_from_forward:
+            proximal = logprobs.detach()
+        else:
+            proximal = field("proximal_logprobs")
+        return PolicyLossInputs(
+            logprobs=logprobs,
+            proximal_logprobs=proximal,
+            behavior_logprobs=behavior,
+            advantages=field("advantage"),
+            mask=field("loss_mask"),
+            seq_ids=mb.seq_ids.to(self.device),
+            global_tokens=global_tokens,
+            global_seqs=global_seqs,
+            norm_len=self.norm_len,
+            entropy=entropy,
+            ref_logprobs=field("ref_logprobs") if self.ref_model is not None else None,
+        )
+
+    def _train_actor(
+        self, samples: list[Sample], minis: list[list[int]], plans: list, *, have_ref: bool
+    ) -> dict[str, float]:
+        """Forward-only passes, then ``ppo_epochs`` over the mini-batches; the policy's metrics.
+        ``have_ref``: the reference's log-probs are on the samples already (the estimator read them)."""
         separate = self.separate_proximal_pass(len(minis))
-        if separate or self.ref_model is not None:
+        ref_pass = self.ref_model is not None and not have_ref
+        if separate or ref_pass:
             fplan = self._forward_only_plan(samples, plans)
             if separate:
                 self._forward_only(self.model, samples, fplan, "proximal_logprobs")
-            if self.ref_model is not None:
+            if ref_pass:
                 self._forward_only(self.ref_model, samples, fplan, "ref_logprobs")
         sums = MetricSums(self.metric_keys, self.device)
         norms = []
@@ -346,13 +379,16 @@ class Trainer:
         if self.critic is not None:
             with spans.span("critic_values"):
                 self.critic.compute_values(samples)
-        assign_advantages(samples, a)
         minis = self._mini_batches(samples, len(groups))
+        plans = [self._plan(samples, m, forward_only=False) for m in minis]
+        if self.estimator.needs_reference:  # the estimator reads the reference's log-probs
+            self._forward_only(self.ref_model, samples, self._forward_only_plan(samples, plans), "ref_logprobs")
+        assign_advantages(samples, a)
         if self.critic is not None:
             with spans.span("critic_update"):
                 out.update(self.critic.update(samples, minis))
         if self.critic is None or step >= self.cfg.critic.critic_warmup:
-            out.update(self._train_actor(samples, minis))
+            out.update(self._train_actor(samples, minis, plans, have_ref=self.estimator.needs_reference))
         else:
             out["actor/warmup"] = 1.0  # the critic's warm-up: the policy is not updated this step
         rewards = [s.reward for s in samples]

@@ -7,10 +7,10 @@ per-token versions. Its ``load_weights`` is the whole of its weight loading: a r
 publishes over the filesystem and gloo transports to the rollout server's own Control servicer wired to
 it, and the toy ends up holding the learner's exact tensors at the new version. The transport is two
 classes, the sender's end and the receiver's, and moves an update to an engine it knows nothing of.
-The loss is one function and one config class (its knob validated at load time), the
-estimator one function, each in its registry; a real trainer step (tiny model, one gloo rank) must call
-them: the loss scaled by its knob gives exactly scaled gradients, and an estimator that returns zero
-advantages gives zero policy gradients.
+The loss is one function and one config class (its knob validated at load time), the estimator one
+function declaring what it needs (its name validated at load time), each in its registry; a real trainer
+step (tiny model, one gloo rank) must call them: the loss scaled by its knob gives exactly scaled
+gradients, and an estimator that returns zero advantages gives zero policy gradients.
 """
 
 from __future__ import annotations
@@ -262,11 +262,9 @@ def one_rank() -> Iterator[None]:
     dist.destroy_process_group()
 
 
-def _first_grads(model_dir: Path, algorithm: dict | None = None, **unchecked: object) -> dict[str, torch.Tensor]:
-    """The first update's gradients of a fresh trainer on fixed synthetic groups (no clipping in reach).
-
-    ``algorithm`` goes through the config's validation; ``unchecked`` replaces fields after it (names the
-    config lists as a closed set, which a registry's toy entry cannot join)."""
+def _first_grads(model_dir: Path, algorithm: dict | None = None) -> dict[str, torch.Tensor]:
+    """The first update's gradients of a fresh trainer on fixed synthetic groups (no clipping in reach);
+    ``algorithm`` goes through the config's validation, a registered toy's name included."""
     from learner.parallelize import load_model
     from learner.synthetic import make_groups
     from learner.trainer import Trainer
@@ -278,7 +276,6 @@ def _first_grads(model_dir: Path, algorithm: dict | None = None, **unchecked: ob
                       " micro_batch_size_per_gpu: 4}",
          "--algorithm", yaml.safe_dump({"max_staleness": 1, **(algorithm or {})}, default_flow_style=True)],
     )  # fmt: skip
-    cfg.algorithm = cfg.algorithm.model_copy(update=unchecked)
     torch.manual_seed(0)
     model = load_model(cfg, torch.device("cpu"))
     trainer = Trainer(cfg, model, device=torch.device("cpu"), ref_model=None)
@@ -315,9 +312,9 @@ def test_a_new_policy_loss_is_one_function_and_one_config_class(
 
     # --- ... and one function.
     @losses.register_policy_loss("scaled")
-    def scaled(*, settings, **kw):  # type: ignore[no-untyped-def]
+    def scaled(inputs: losses.PolicyLossInputs, settings):  # type: ignore[no-untyped-def]
         calls.append(settings.policy_loss)
-        loss, metrics = losses.policy_loss(settings=settings, **kw)
+        loss, metrics = losses.policy_loss(inputs, settings)
         return settings.policy_loss.scale * loss, metrics
 
     # Its knobs are validated at load time, under the key the user wrote.
@@ -340,13 +337,19 @@ def test_a_new_policy_loss_is_one_function_and_one_config_class(
 
 def test_a_new_estimator_is_one_function(one_rank, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from learner import advantages
+    from tether.config import adv_estimator
 
+    # Both registries are module-level: this test's entries leave with it.
+    monkeypatch.setattr(advantages, "ESTIMATORS", dict(advantages.ESTIMATORS))
+    monkeypatch.setattr(adv_estimator, "ADV_ESTIMATORS", dict(adv_estimator.ADV_ESTIMATORS))
+
+    # --- the recipe: one function, registered with what it needs (here nothing but the rewards).
+    @advantages.register_adv_est("nothing")
     def nothing(batch, cfg):  # type: ignore[no-untyped-def]
         zeros = torch.zeros_like(batch.token_rewards)
         return zeros, zeros
 
-    monkeypatch.setitem(advantages.ESTIMATORS, "nothing", advantages.Estimator(nothing, needs_critic=False))
     base = _first_grads(tiny_model_dir)
-    toy = _first_grads(tiny_model_dir, adv_estimator="nothing", entropy_coeff=0.0)
+    toy = _first_grads(tiny_model_dir, {"adv_estimator": "nothing", "entropy_coeff": 0.0})
     assert any(g.abs().max() > 0 for g in base.values())  # the real estimator moves the weights
     assert all(g.abs().max() == 0 for g in toy.values())  # zero advantages, no entropy/KL term: no gradient

@@ -43,7 +43,7 @@ import torch
 
 from learner.advantages import group_advantages
 from learner.logprobs import forward_micro_batch
-from learner.losses import policy_loss
+from learner.losses import PolicyLossInputs, policy_loss
 from learner.packing import Sample, make_micro_batch
 from tests.reference.inputs import check, pack, seq_ids
 from tether.config.algorithm import AlgorithmConfig
@@ -215,7 +215,7 @@ def test_loss_matches_trl(
         kl_loss_type="k3",
         entropy_coeff=entropy_coef,
     )
-    got, _ = policy_loss(
+    loss_inputs = PolicyLossInputs(
         logprobs=pack(logps, lengths),
         proximal_logprobs=pack(old, lengths),
         behavior_logprobs=pack(old, lengths),
@@ -224,11 +224,11 @@ def test_loss_matches_trl(
         seq_ids=seq_ids(lengths),
         global_tokens=float(inputs["num_items_in_batch"]),
         global_seqs=float(ROWS),
-        settings=settings,
         norm_len=float(COMPLETION),
         entropy=pack(entropies, lengths) if entropy_coef else None,
         ref_logprobs=pack(inputs["ref_per_token_logps"], lengths),
     )
+    got, _ = policy_loss(loss_inputs, settings)
     got_grads = torch.autograd.grad(got, params)
 
     reference = (

@@ -29,7 +29,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from learner.losses import LOSS_AGG_MODES, policy_loss
+from learner.losses import LOSS_AGG_MODES, PolicyLossInputs, policy_loss
 from tests.reference.inputs import NORM_LEN, Batch, agg_scale, check, make_batch, pack, per_token, seq_ids
 from tether.config.algorithm import AlgorithmConfig
 
@@ -95,15 +95,15 @@ def actor_config(verl: types.SimpleNamespace, mode: str, **knobs: object) -> obj
 def tether_policy_loss(batch: Batch, settings: AlgorithmConfig, **per_token_inputs: torch.Tensor | None):
     """tether's policy_loss on the packed batch; ``per_token_inputs`` are [S, T] (or None)."""
     packed = {k: None if v is None else pack(v, batch.lengths) for k, v in per_token_inputs.items()}
-    return policy_loss(
+    inputs = PolicyLossInputs(
         **packed,
         mask=pack(batch.mask, batch.lengths),
         seq_ids=seq_ids(batch.lengths),
         global_tokens=batch.tokens,
         global_seqs=float(len(batch.lengths)),
-        settings=settings,
         norm_len=NORM_LEN,
     )
+    return policy_loss(inputs, settings)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -12,6 +12,7 @@ from learner.advantages import ESTIMATORS, AdvantageBatch, advantage_batch, assi
 from learner.batch import build_samples
 from learner.synthetic import make_groups
 from tether.config import AlgorithmConfig
+from tether.config.adv_estimator import ADV_ESTIMATORS, declare_adv_estimator
 
 
 def _one(mask: list[float], reward: float) -> AdvantageBatch:
@@ -31,10 +32,22 @@ def test_reinforce_plus_plus_carries_the_outcome_reward_across_an_environment_sp
     assert_close(returns[0], torch.tensor(want, dtype=torch.float64))
 
 
-def test_every_configurable_estimator_is_registered() -> None:
-    names = set(AlgorithmConfig.model_fields["adv_estimator"].annotation.__args__)
-    assert names == set(ESTIMATORS)
+def test_every_declared_estimator_has_a_function_with_the_same_needs() -> None:
+    """The config's declarations (checked before torch is imported) and the learner's functions agree, under
+    verl's names."""
+    assert set(ADV_ESTIMATORS) == set(ESTIMATORS)
+    assert {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"} <= set(ESTIMATORS)
+    assert all(e.spec == ADV_ESTIMATORS[n] for n, e in ESTIMATORS.items())
     assert [n for n, e in ESTIMATORS.items() if e.needs_critic] == ["gae"]
+    assert not [n for n, e in ESTIMATORS.items() if e.needs_reference]
+    with pytest.raises(ValueError, match=r"no estimator function for 'nope'.*register_adv_est\('nope'\)"):
+        get_estimator("nope")
+
+
+def test_a_name_declared_again_with_other_needs_is_an_error() -> None:
+    with pytest.raises(ValueError, match="'gae' is declared twice with different needs"):
+        declare_adv_estimator("gae", needs_critic=False)
+    assert declare_adv_estimator("gae", needs_critic=True) == ADV_ESTIMATORS["gae"]  # the same again: a no-op
 
 
 def test_samples_get_the_reward_on_their_last_trained_token() -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from learner.losses import aggregate, importance_weights, kl_penalty, policy_loss
+from learner.losses import PolicyLossInputs, aggregate, importance_weights, kl_penalty, policy_loss
 from tether.config import AlgorithmConfig
 
 
@@ -210,18 +210,20 @@ def test_policy_loss_matches_loop(mode: str, tis: tuple[str, str], kl: str) -> N
     seqs = _seqs(4, 9)
     cur = _flat(seqs, "cur").requires_grad_(True)
     loss, metrics = policy_loss(
-        logprobs=cur,
-        proximal_logprobs=_flat(seqs, "prox"),
-        behavior_logprobs=_flat(seqs, "beh"),
-        advantages=_flat(seqs, "adv"),
-        mask=_flat(seqs, "mask"),
-        seq_ids=_seq_ids(seqs),
-        global_tokens=float(sum(sum(s["mask"]) for s in seqs)),
-        global_seqs=float(len(seqs)),
-        settings=st,
-        norm_len=8.0,
-        entropy=_flat(seqs, "ent"),
-        ref_logprobs=_flat(seqs, "ref"),
+        PolicyLossInputs(
+            logprobs=cur,
+            proximal_logprobs=_flat(seqs, "prox"),
+            behavior_logprobs=_flat(seqs, "beh"),
+            advantages=_flat(seqs, "adv"),
+            mask=_flat(seqs, "mask"),
+            seq_ids=_seq_ids(seqs),
+            global_tokens=float(sum(sum(s["mask"]) for s in seqs)),
+            global_seqs=float(len(seqs)),
+            norm_len=8.0,
+            entropy=_flat(seqs, "ent"),
+            ref_logprobs=_flat(seqs, "ref"),
+        ),
+        st,
     )
     assert_close(loss, torch.tensor(_ref_policy(seqs, st, 8.0), dtype=torch.float64))
     loss.backward()
@@ -237,15 +239,17 @@ def test_on_policy_grpo_gradient_is_advantage_weighted_logprob_gradient() -> Non
     cur = _flat(seqs, "cur").requires_grad_(True)
     mask = torch.ones_like(cur)
     loss, m = policy_loss(
-        logprobs=cur,
-        proximal_logprobs=cur.detach(),
-        behavior_logprobs=cur.detach(),
-        advantages=_flat(seqs, "adv"),
-        mask=mask,
-        seq_ids=_seq_ids(seqs),
-        global_tokens=float(cur.numel()),
-        global_seqs=4.0,
-        settings=AlgorithmConfig(),
+        PolicyLossInputs(
+            logprobs=cur,
+            proximal_logprobs=cur.detach(),
+            behavior_logprobs=cur.detach(),
+            advantages=_flat(seqs, "adv"),
+            mask=mask,
+            seq_ids=_seq_ids(seqs),
+            global_tokens=float(cur.numel()),
+            global_seqs=4.0,
+        ),
+        AlgorithmConfig(),
     )
     loss.backward()
     assert_close(cur.grad, -_flat(seqs, "adv") / cur.numel())
@@ -261,15 +265,17 @@ def test_kl_k3_is_nonnegative_and_zero_at_equality() -> None:
 def test_huge_log_ratio_stays_finite() -> None:
     cur = torch.tensor([0.0, -1.0], requires_grad=True)
     loss, _ = policy_loss(
-        logprobs=cur,
-        proximal_logprobs=torch.tensor([-500.0, -1.0]),
-        behavior_logprobs=torch.tensor([-1.0, 400.0]),
-        advantages=torch.tensor([1.0, -1.0]),
-        mask=torch.tensor([1.0, 0.0]),
-        seq_ids=torch.tensor([0, 1]),
-        global_tokens=1.0,
-        global_seqs=2.0,
-        settings=AlgorithmConfig(),
+        PolicyLossInputs(
+            logprobs=cur,
+            proximal_logprobs=torch.tensor([-500.0, -1.0]),
+            behavior_logprobs=torch.tensor([-1.0, 400.0]),
+            advantages=torch.tensor([1.0, -1.0]),
+            mask=torch.tensor([1.0, 0.0]),
+            seq_ids=torch.tensor([0, 1]),
+            global_tokens=1.0,
+            global_seqs=2.0,
+        ),
+        AlgorithmConfig(),
     )
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(cur.grad).all()

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, SerializeAsAny, field_validator, model_validator
 
+from tether.config.adv_estimator import AdvEstimatorSpec, adv_estimator_spec
 from tether.config.base import Section
 from tether.config.policy_loss import PolicyLossConfig, VanillaLoss, as_policy_loss_config
 
@@ -18,14 +19,14 @@ class AlgorithmConfig(Section):
     max_staleness: int = Field(default=1, ge=0)
     """Policy versions rollout may run ahead of the learner (AReaL's eta). 0: synchronous on-policy."""
 
-    adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"] = (
-        "grpo"
-    )
-    """``grpo``: reward minus group mean (optionally over group std); ``dr_grpo``: no std
-    normalisation, and the loss is aggregated as ``seq-mean-token-sum-norm``; ``rloo``: reward minus the
-    mean of the group's other samples; ``reinforce_plus_plus``: discounted return whitened over the batch;
-    ``reinforce_plus_plus_baseline``: reward minus group mean, whitened over the batch; ``gae``: PPO with a
-    critic (the ``critic`` section), generalised advantage estimation. verl's formulas and names."""
+    adv_estimator: str = "grpo"
+    """A registered estimator (:mod:`tether.config.adv_estimator`), verl's names: ``grpo``: reward minus group
+    mean (optionally over group std); ``dr_grpo``: no std normalisation, and the loss is aggregated as
+    ``seq-mean-token-sum-norm``; ``rloo``: reward minus the mean of the group's other samples;
+    ``reinforce_plus_plus``: discounted return whitened over the batch; ``reinforce_plus_plus_baseline``:
+    reward minus group mean, whitened over the batch; ``gae``: PPO with a critic (the ``critic`` section),
+    generalised advantage estimation. An unknown name, or one whose needs (a critic) the config does not
+    meet, is refused at load time."""
 
     gamma: float = Field(default=1.0, ge=0, le=1)
     """Discount per token (``gae``, ``reinforce_plus_plus``)."""
@@ -102,6 +103,21 @@ class AlgorithmConfig(Section):
         )
         data["policy_loss"] = loss
         return data
+
+    @field_validator("adv_estimator")
+    @classmethod
+    def _known_estimator(cls, value: str) -> str:
+        return adv_estimator_spec(value).name
+
+    @property
+    def estimator(self) -> AdvEstimatorSpec:
+        """What ``adv_estimator`` needs (a critic, a reference model)."""
+        return adv_estimator_spec(self.adv_estimator)
+
+    @property
+    def uses_reference(self) -> bool:
+        """The learner loads the frozen reference model: for the KL loss, or for an estimator that reads it."""
+        return self.use_kl_loss or self.estimator.needs_reference
 
     @field_validator("policy_loss", mode="before")
     @classmethod

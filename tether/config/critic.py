@@ -23,6 +23,11 @@ class CriticOptimConfig(Section):
 
 
 class CriticConfig(Section):
+    enable: bool | None = None
+    """Whether the learner runs a critic (verl's ``critic.enable``); empty: when ``algorithm.adv_estimator``
+    needs one (``gae``). ``false`` with such an estimator, or ``true`` with one that reads no values, is
+    refused when the config is loaded."""
+
     model_path: str = ""
     """The critic's base model (a Hugging Face folder); empty: the actor's ``model.path``."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from tether.config.adv_estimator import check_estimator_needs
 from tether.config.algorithm import AlgorithmConfig
 from tether.config.base import Section
 from tether.config.buffer import BufferConfig
@@ -24,6 +25,12 @@ class TetherConfig(Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+
+    @model_validator(mode="after")
+    def _estimator_needs(self) -> TetherConfig:
+        # The estimator is the algorithm section's, what it needs lives in others (critic, learner).
+        check_estimator_needs(self)
+        return self
 
     @model_validator(mode="after")
     def _one_prompt_limit(self) -> TetherConfig:
