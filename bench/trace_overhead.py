@@ -41,11 +41,11 @@ class Loop:
         from learner.parallelize import load_model, parallelize
         from learner.synthetic import make_groups
         from learner.trainer import Trainer
+        from tests.weight_receiver import ReceiverProcess
         from tether.config.loader import load_config
         from tether.redis_server import free_port
         from tether.tiny_model import make_tiny_model
         from weight_sync.sender import WeightSender
-        from weight_sync.standalone import ReceiverProcess
 
         model_dir = make_tiny_model(workdir / "model", hidden=64, layers=2, heads=2, seed=0)
         config = workdir / "config.yaml"

@@ -173,9 +173,9 @@ class Tether:
     ) -> None:
         import yaml
 
+        from tests.weight_receiver import ReceiverProcess
         from tether.config.loader import load_config
         from weight_sync.sender import WeightSender
-        from weight_sync.standalone import ReceiverProcess
 
         direct = {} if direct_tensor_mb is None else {"direct_tensor_mb": direct_tensor_mb}
         config = workdir / f"bench-{receivers}-{direct_tensor_mb}.yaml"
@@ -278,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from tests.weight_receiver import ModelEngine
     from tether.tiny_model import make_tiny_model
-    from weight_sync.standalone import ModelEngine
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     figures = []

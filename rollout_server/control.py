@@ -4,12 +4,13 @@ Pause and resume act on the engine directly. The three weight-update stages belo
 ``weight_sync.receiver.WeightReceiver`` (docs/ARCHITECTURE.md), wired here to the engine: the engine is
 what it loads into (its ``load_weights``), by the delivery the engine picks (``weight_delivery``: in this
 process, or inside vLLM's workers). It is imported on the first update, so a server that is never
-updated does not load the weight-transfer stack.
+updated does not load the weight-transfer stack; only the light contract (``weight_sync.loading``: the
+in-flight policy's mapping, which Pause needs) is imported here.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import grpc
 
@@ -17,16 +18,9 @@ from rollout_server.state import ServerState
 from rollout_server.validation import BadRequest
 from tether.logs import get_logger
 from tether.v1 import control_pb2, control_pb2_grpc
+from weight_sync.loading import inflight_policy
 
 log = get_logger(__name__)
-
-
-def inflight_policy(value: int, default: Literal["keep", "drain"]) -> Literal["keep", "drain"]:
-    if value == control_pb2.INFLIGHT_POLICY_KEEP:
-        return "keep"
-    if value == control_pb2.INFLIGHT_POLICY_DRAIN:
-        return "drain"
-    return default
 
 
 def load_receiver(state: ServerState) -> Any:
@@ -54,7 +48,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
         The receiver says "bad plan" with ValueError and "not possible now" (unknown update, failed
         transfer) with WeightSyncError; left to ``state.rpc`` both would read as INTERNAL, a server bug,
-        which fuzzing showed. Same mapping as ``weight_sync.standalone``.
+        which fuzzing showed. The test receiver (``tests/weight_receiver.py``) answers with the same codes.
         """
         receiver = self.receiver()
         from weight_sync.receiver import WeightSyncError  # importable: receiver() just loaded it

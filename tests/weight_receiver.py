@@ -1,4 +1,6 @@
-"""A bare receiver: a Control gRPC server around a transformers model, without the rollout server.
+"""A bare weight receiver for tests and benchmarks: a Control gRPC server around a transformers model,
+without the rollout server. Not shipped with tether (it was ``weight_sync/standalone.py``): only tests and
+``bench/`` import it (the bench scripts put the repository root on ``sys.path``).
 
 Weight sync is tested and benchmarked against real processes on real ports, and its receiving side must
 not depend on the rollout server being finished (or on its generation code) to be measured. This is the
@@ -7,7 +9,9 @@ smallest real host for ``WeightReceiver``: a model with the one loading method a
 pause/resume that only record state, and the five Control RPCs. It is not a rollout server — it serves
 no generation.
 
-    python -m weight_sync.standalone --config FILE --model DIR --port 0 --port-file PATH [overrides]
+    python -m tests.weight_receiver --config FILE --model DIR --port 0 --port-file PATH [overrides]
+
+(``tests`` importable: the repository root on ``PYTHONPATH``, as :class:`ReceiverProcess` sets it).
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ import grpc
 
 from tether.config import TetherConfig
 from tether.v1 import control_pb2, control_pb2_grpc
+from weight_sync.loading import inflight_policy
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class ModelEngine:
-    """The smallest :class:`~weight_sync.loading.WeightLoader`: a live module it loads into itself."""
-
-    name = "transformers"
+    """The smallest :class:`~weight_sync.loading.WeightLoader`: a live module it loads into itself. It has no
+    engine ``name``: weight sync reads nothing of a loader beyond that protocol (``tests/unit/test_layering.py``)."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -84,7 +90,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.receiver, self.loader = receiver, loader
 
     async def Pause(self, request, context):
-        await self.loader.pause("keep" if request.inflight != control_pb2.INFLIGHT_POLICY_DRAIN else "drain")
+        await self.loader.pause(inflight_policy(request.inflight, self.receiver.wcfg.inflight))
         return control_pb2.PauseResponse(policy_version=self.loader.policy_version)
 
     async def Resume(self, request, context):
@@ -146,7 +152,7 @@ class ReceiverProcess:
         cmd = [
             sys.executable,
             "-m",
-            "weight_sync.standalone",
+            "tests.weight_receiver",
             "--config",
             str(config),
             "--model",
@@ -154,7 +160,8 @@ class ReceiverProcess:
             "--port-file",
             str(self.port_file),
         ]
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": path}
         with open(self.log_file, "wb") as log_out:
             self.proc = subprocess.Popen(cmd, stdout=log_out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout_s

@@ -12,6 +12,10 @@ reach — vLLM receives inside its worker processes, which join the collective g
 weight sync's own receiving end there.
 
 Importing this module imports nothing heavy (no torch), so an engine's base class can name these types.
+
+The Control proto's ``InflightPolicy`` is part of this contract (what ``pause`` is told to do with the requests
+the engine holds), so its one mapping to the names ``pause`` takes lives here too: the learner's sender, the
+receiver and the rollout server's Pause RPC all use :func:`inflight_policy` / :func:`inflight_message`.
 """
 
 from __future__ import annotations
@@ -22,16 +26,42 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from tether.v1 import control_pb2
+
 if TYPE_CHECKING:
     import torch
 
-    from tether.v1 import control_pb2
     from weight_sync.versions import Weights
+
+Inflight = Literal["keep", "drain"]
+"""What :meth:`WeightLoader.pause` does with the requests the engine holds: ``keep`` freezes them between two
+steps (they go on with the new weights), ``drain`` lets them finish on the old weights first."""
+
+_INFLIGHT: dict[int, Inflight] = {
+    control_pb2.INFLIGHT_POLICY_KEEP: "keep",
+    control_pb2.INFLIGHT_POLICY_DRAIN: "drain",
+}
+
+
+def inflight_policy(value: int, default: Inflight) -> Inflight:
+    """A Control message's ``InflightPolicy`` as the name ``pause`` takes; ``INFLIGHT_POLICY_UNSPECIFIED``
+    (or a value this build does not know): ``default``, the server's own ``weight_sync.inflight``."""
+    return _INFLIGHT.get(value, default)
+
+
+def inflight_message(policy: Inflight) -> control_pb2.InflightPolicy:
+    """``weight_sync.inflight`` as the Control proto's ``InflightPolicy`` (what the learner asks of a server)."""
+    for value, name in _INFLIGHT.items():
+        if name == policy:
+            return value  # type: ignore[return-value]
+    raise ValueError(f"weight_sync.inflight {policy!r}: expected keep or drain")
+
 
 Named = Iterable[tuple[str, "torch.Tensor"]]
 """``(name, tensor)`` pairs: full (unsharded) tensors under the learner's (Hugging Face) names, in the
-learner's dtype. Consumed once, possibly lazily — a snapshot is read from disk shard by shard as it is
-iterated, so a loader iterates it off the event loop."""
+dtype they travelled in (``weight_sync.publish_dtype`` for a collective push or the store, the learner's
+own for the filesystem transport). Consumed once, possibly lazily — a snapshot is read from disk shard by
+shard as it is iterated, so a loader iterates it off the event loop."""
 
 
 @dataclass(frozen=True)
@@ -67,13 +97,14 @@ class WeightLoader(Protocol):
     """The surface of an engine weight sync uses: pause and resume around an update, the version it
     serves, and the one method that loads named tensors (plus its LoRA variant).
 
-    ``rollout_server.engines.Engine`` satisfies it; so does ``weight_sync.standalone.ModelEngine``.
+    ``rollout_server.engines.Engine`` satisfies it; so does the test receiver's ``ModelEngine``
+    (``tests/weight_receiver.py``).
     """
 
     policy_version: int
     """The version of the weights being served; the receiver sets it once a load returned."""
 
-    async def pause(self, inflight: Literal["keep", "drain"]) -> None:
+    async def pause(self, inflight: Inflight) -> None:
         """Stop admitting work; return once no forward pass runs (the update's safe point)."""
 
     async def resume(self) -> None: ...

@@ -29,12 +29,10 @@ from tether.v1 import control_pb2
 from weight_sync.buckets import dtype_from_name, tensor_bytes
 from weight_sync.collective import PARTIAL_UPDATE
 from weight_sync.inbox import LocalDelivery
-from weight_sync.loading import Delivery, WeightLoader
+from weight_sync.loading import Delivery, WeightLoader, inflight_policy
 from weight_sync.snapshot import latest_snapshot, snapshot_root
 
 log = get_logger(__name__)
-
-_INFLIGHT = {control_pb2.INFLIGHT_POLICY_KEEP: "keep", control_pb2.INFLIGHT_POLICY_DRAIN: "drain"}
 
 
 class WeightSyncError(RuntimeError):
@@ -70,7 +68,7 @@ class WeightReceiver:
             if self._plan is not None and self._plan.update_id != plan.update_id:
                 await self._drop("superseded by a newer update")
             if not self._paused:
-                inflight = _INFLIGHT.get(plan.inflight, self.wcfg.inflight)
+                inflight = inflight_policy(plan.inflight, self.wcfg.inflight)
                 await self.loader.pause(inflight)
                 self._paused = True
             # The same update may be prepared twice (the learner re-plans survivors under a new epoch).

@@ -61,12 +61,11 @@ from weight_sync.buckets import (
     plan_segments,
 )
 from weight_sync.handshake import ControlClients, abort_all
+from weight_sync.loading import inflight_message
 from weight_sync.snapshot import SnapshotWriter, snapshot_root
 from weight_sync.transport import make_sender_transport
 
 log = get_logger(__name__)
-
-_INFLIGHT = {"keep": control_pb2.INFLIGHT_POLICY_KEEP, "drain": control_pb2.INFLIGHT_POLICY_DRAIN}
 
 
 class WeightSender:
@@ -301,7 +300,7 @@ class WeightSender:
                 version=version,
                 tensors=self.layout.tensors,
                 buckets=self.layout.buckets,
-                inflight=_INFLIGHT[self.wcfg.inflight],
+                inflight=inflight_message(self.wcfg.inflight),
                 update_id=update_id,
                 **sources[s],
             )

@@ -109,6 +109,7 @@ class VllmEngine(Engine):
         return {k: v for k, v in kw.items() if v is not None}
 
     async def start(self) -> None:
+        check_weight_transport(self.cfg)  # before vLLM loads anything: a refused setup fails in a second
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -254,6 +255,21 @@ class VllmEngine(Engine):
         return WorkerDelivery(self.llm, cfg)
 
 
+def check_weight_transport(cfg: TetherConfig) -> None:
+    """Refuse at startup (EngineError, saying what to use) a collective weight transport for an engine of
+    several workers, which its workers would otherwise refuse only at the first update
+    (``vllm_worker.check_weight_group``: every worker would join the weight group under the server's one rank)."""
+    from rollout_server.engines.vllm_worker import check_weight_group
+
+    try:
+        check_weight_group(
+            cfg.weight_sync.transport.type,
+            tensor_parallel_size=cfg.rollout.engine.tensor_parallel_size,  # type: ignore[union-attr]
+        )
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+
+
 def shared_copy(weights: Weights) -> Path:
     """``weights``' bits in a file under /dev/shm (memory, not disk; a temp folder where there is none)."""
     folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -366,8 +382,17 @@ class WorkerDelivery(Delivery):
         return Tally(int(first["bytes"]), dict(first["checksums"]))
 
     async def start(self, plan: control_pb2.WeightUpdatePlan) -> None:
+        """Prepare in every worker. What the load reports (checksums) and whether the update is an adapter
+        travel now: a collective update of full weights is loaded while it arrives, before Commit."""
         go_timeout = self.wcfg.prepare_timeout_s + self.wcfg.transfer_timeout_s
-        await self._rpc("tether_prepare", plan.SerializeToString(), self.wcfg.transfer_timeout_s, go_timeout)
+        await self._rpc(
+            "tether_prepare",
+            plan.SerializeToString(),
+            self.wcfg.transfer_timeout_s,
+            go_timeout,
+            self.wcfg.verify_checksums,
+            self.lora_scale,
+        )
 
     async def finish(self, plan: control_pb2.WeightUpdatePlan, *, timeout_s: float) -> Tally:
         sums = self.wcfg.verify_checksums

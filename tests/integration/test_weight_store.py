@@ -15,9 +15,9 @@ from buffer import RedisKeys, ServerInfo, ServerRegistry
 from buffer.weights import announce_weights, held_versions
 from rollout_server.pull import SinkFleet
 from rollout_server.sink import BufferSink
+from tests.weight_receiver import ModelEngine
 from tether.config import TetherConfig
 from weight_sync.puller import Puller
-from weight_sync.standalone import ModelEngine
 from weight_sync.store import VersionStore
 from weight_sync.store_sender import StoreSender
 

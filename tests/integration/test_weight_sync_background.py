@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from tests.integration.test_weight_sync_gloo import Fleet, _cfg, fleet  # noqa: F401 - the fixture
+from tests.weight_receiver import ModelEngine
 from tether.tiny_model import make_tiny_model
 from weight_sync.sender import WeightSender
-from weight_sync.standalone import ModelEngine
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,10 +17,10 @@ import torch
 
 from tests.integration.test_weight_sync_background import _gated
 from tests.integration.test_weight_sync_gloo import _cfg, fleet  # noqa: F401 - the fixture
+from tests.weight_receiver import ModelEngine
 from tether.tiny_model import make_tiny_model
 from weight_sync import snapshot as snapshot_module
 from weight_sync.sender import WeightSender
-from weight_sync.standalone import ModelEngine
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,11 +10,11 @@ import torch
 import yaml
 
 from tests.helpers import wait_gone
+from tests.weight_receiver import ModelEngine, ReceiverProcess
 from tether.config import TetherConfig
 from tether.config.loader import load_config
 from weight_sync.sender import WeightSender
 from weight_sync.snapshot import latest_snapshot, read_snapshot
-from weight_sync.standalone import ModelEngine, ReceiverProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -35,9 +35,9 @@ def worker() -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
+    from tests.weight_receiver import ModelEngine
     from tether.config.loader import load_config
     from weight_sync.sender import WeightSender
-    from weight_sync.standalone import ModelEngine
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -66,8 +66,8 @@ def worker() -> None:
 
 
 def test_fsdp2_sharded_learner_publishes_full_weights(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from tests.weight_receiver import ModelEngine, ReceiverProcess
     from weight_sync.snapshot import latest_snapshot, read_snapshot, snapshot_dir
-    from weight_sync.standalone import ModelEngine, ReceiverProcess
 
     config = tmp_path / "tether.yaml"
     config.write_text(

@@ -15,6 +15,7 @@ import grpc
 import pytest
 import torch
 
+from tests.weight_receiver import ControlServicer, ModelEngine
 from tether.config import TetherConfig
 from tether.tiny_model import make_tiny_model
 from tether.v1 import control_pb2_grpc
@@ -22,7 +23,6 @@ from weight_sync.collective import CollectiveReceive
 from weight_sync.receiver import WeightReceiver
 from weight_sync.sender import WeightSender
 from weight_sync.snapshot import latest_snapshot, read_snapshot, snapshot_root
-from weight_sync.standalone import ControlServicer, ModelEngine
 
 pytestmark = pytest.mark.timeout(120)
 PROMPT = torch.tensor([[60, 61, 62, 63, 64]])

@@ -18,9 +18,9 @@ from torch.testing import assert_close
 
 from learner.lora import adapter_params, apply_lora
 from tests.integration.test_weight_sync_gloo import Fleet, fleet  # noqa: F401 - the fixture
+from tests.weight_receiver import ModelEngine
 from tether.config import TetherConfig
 from weight_sync.sender import WeightSender
-from weight_sync.standalone import ModelEngine
 
 pytestmark = pytest.mark.timeout(120)
 IDS = torch.tensor([[60, 61, 62, 63, 64, 65, 66, 67]])

@@ -1,6 +1,6 @@
 """Weight sync into the real rollout server: ``python -m rollout_server`` with the transformers engine.
 
-The other weight-sync tests load into the standalone receiver (weight_sync/standalone.py); this one goes
+The other weight-sync tests load into the standalone receiver (tests/weight_receiver.py); this one goes
 through what production runs: the server's Control servicer, its engine's pause gates, its registry
 heartbeat (the sender finds it through ``buffer.ServerRegistry``, not an address list) and its GetStatus.
 One server per module (a start costs seconds on two cores), so the tests run in file order and each

@@ -134,10 +134,10 @@ def test_a_streamed_update_holds_at_most_two_buckets(monkeypatch: pytest.MonkeyP
 
 def test_a_float32_learner_publishes_bfloat16_buckets_over_gloo(tmp_path: Path, tiny_model_dir: Path) -> None:
     from tests.integration.test_weight_sync_gloo import Fleet
+    from tests.weight_receiver import ModelEngine
     from tether.config import TetherConfig
     from tether.tiny_model import make_tiny_model
     from weight_sync.sender import WeightSender
-    from weight_sync.standalone import ModelEngine
 
     cfg = TetherConfig.model_validate(
         {

@@ -31,11 +31,11 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
 
     from rollout_server.engines.vllm_engine import WORKER_EXTENSION, WorkerDelivery
     from tests.integration.test_weight_sync_vllm import VllmTestEngine
+    from tests.weight_receiver import ControlServicer, ModelEngine
     from tether.config import TetherConfig
     from tether.v1 import control_pb2_grpc
     from weight_sync.receiver import WeightReceiver
     from weight_sync.sender import WeightSender
-    from weight_sync.standalone import ControlServicer, ModelEngine
 
     llm = AsyncLLM.from_engine_args(
         AsyncEngineArgs(

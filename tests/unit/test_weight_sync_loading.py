@@ -21,6 +21,7 @@ import torch
 from rollout_server.control import load_receiver
 from rollout_server.engines import Chunk, Engine, SamplingSpec
 from rollout_server.engines.base import Engine as BaseEngine
+from tests.weight_receiver import ModelEngine
 from tether.config import TetherConfig
 from tether.config.rollout import EngineConfig
 from tether.tiny_model import make_tiny_model
@@ -30,7 +31,6 @@ from weight_sync.loading import LoadResult, Tally
 from weight_sync.receiver import WeightSyncError
 from weight_sync.sender import WeightSender
 from weight_sync.snapshot import snapshot_dir
-from weight_sync.standalone import ModelEngine
 
 
 class Recorder:
@@ -204,7 +204,7 @@ async def test_vllm_receives_and_loads_inside_its_workers(tmp_path: Path, monkey
         (
             "collective_rpc",
             ("tether_prepare",),
-            {"args": (plan.SerializeToString(), wcfg.transfer_timeout_s, go_timeout_s)},
+            {"args": (plan.SerializeToString(), wcfg.transfer_timeout_s, go_timeout_s, True, 0.0)},
         ),
         ("collective_rpc", ("tether_commit",), {"args": ("u3", 5, True, 0.0)}),
         ("update_weight_version", ("3",), {}),  # vLLM labels the tokens each version produces

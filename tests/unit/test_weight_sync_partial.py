@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.weight_receiver import ModelEngine
 from tether.config import TetherConfig
 from tether.tiny_model import make_tiny_model
 from tether.v1 import control_pb2
@@ -19,7 +20,6 @@ from weight_sync.inbox import LocalDelivery
 from weight_sync.loading import Tally
 from weight_sync.receiver import WeightReceiver, WeightSyncError
 from weight_sync.sender import WeightSender
-from weight_sync.standalone import ModelEngine
 
 
 class _HalfLoaded(LocalDelivery):

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.weight_receiver import ModelEngine
 from tether.config import TetherConfig
 from tether.redis_server import free_port
 from tether.tiny_model import make_tiny_model
@@ -17,7 +18,6 @@ from tether.v1 import control_pb2
 from weight_sync.receiver import WeightReceiver, WeightSyncError
 from weight_sync.sender import WeightSender
 from weight_sync.snapshot import snapshot_dir
-from weight_sync.standalone import ModelEngine
 
 PROMPT = torch.tensor([[60, 61, 62, 63, 64]])
 

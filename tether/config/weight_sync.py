@@ -123,8 +123,12 @@ class WeightSyncConfig(Section):
     beside each base); a server that is new or far behind fetches the newest base and the deltas after it."""
 
     publish_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Store transport: the dtype versions are published (and deltas taken) in; ``auto``: the dtype the
-    rollout engines serve (``model.dtype``: bfloat16 on GPU, float32 on CPU). bfloat16 is what makes deltas
+    """The dtype floating weights travel in: the store transport publishes versions (and takes deltas) in
+    it, and the collective pushes (``gloo``, ``nccl``) cast each tensor to it as gathered and send it so
+    (checksums are of what is sent; a snapshot written beside a push holds the same bytes), so a bf16
+    engine receives half a float32 learner's bytes and loads them without a cast. ``auto``: the dtype the
+    rollout engines serve (``model.dtype``: bfloat16 on GPU, float32 on CPU). The ``filesystem`` transport
+    ignores it (its snapshots keep the learner's exact weights). bfloat16 is what makes store deltas
     small: at lr 1e-6 a bf16 delta is about 1 % of the full bytes, a float32 one 40–50 %."""
 
     chunk_mb: float = Field(default=4.0, gt=0)
