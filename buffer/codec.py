@@ -6,13 +6,18 @@ stale group is dropped without fetching or parsing its payload), ``n`` (payload 
 is kept without reading the payload back), ``c`` (the codec) and ``k`` (the nonce of the payload key,
 :meth:`buffer.keys.RedisKeys.payload`). The payload lives in that key, not in the entry, so the insert
 script never carries it (see :mod:`buffer.scripts`); an entry written by hand may still carry it inline
-as ``d``, and is read the same way. The payload is the columnar group of :mod:`buffer.columnar` (codec
+as ``d``, and is read the same way.
+
+One codec writes a group, wherever it travels: the columnar group of :mod:`buffer.columnar` (codec
 ``col``: a JSON header and the group's per-token arrays concatenated, decoded into numpy views without
-Python work per token); entries written before it carry the protobuf ``TrajectoryGroup`` (codec ``pb``,
-:mod:`buffer.wire`) and are still read. Either is zlib-compressed only when asked and above a size threshold:
-per-token arrays of random log-probs barely compress, and compression costs far more CPU than Redis
-spends storing the bytes, so it pays only on slow links. Nothing here is ever pickled; a payload that is
-not a valid group raises :class:`InvalidTrajectory`.
+Python work per token). The learner's rank 0 forwards the very bytes it read to its other ranks
+(:func:`decode_group_columnar` hands them out beside the group; :func:`learner.batch.broadcast_groups`
+sends them), so no group is encoded twice. The protobuf ``TrajectoryGroup`` (codec ``pb``) is read only,
+for old data: entries written before the columnar codec that a Redis outliving an upgrade can still hold
+(:mod:`buffer.wire`); nothing writes it. Either is zlib-compressed only when asked and above a size
+threshold: per-token arrays of random log-probs barely compress, and compression costs far more CPU than
+Redis spends storing the bytes, so it pays only on slow links. Nothing here is ever pickled; a payload that
+is not a valid group raises :class:`InvalidTrajectory`.
 """
 
 from __future__ import annotations
@@ -27,9 +32,9 @@ from tether.trajectory import GroupData, InvalidTrajectory
 
 CODEC_COLUMNAR = b"col"
 CODEC_COLUMNAR_ZLIB = b"colz"
-CODEC_PROTOBUF = b"pb"  # read only: entries written before the columnar codec
+CODEC_PROTOBUF = b"pb"  # read only, for old data: entries written before the columnar codec
 CODEC_PROTOBUF_ZLIB = b"pbz"
-_DECODERS = {
+_DECODERS = {  # codec -> (decoder, zlib-compressed)
     CODEC_COLUMNAR: (decode_columnar, False),
     CODEC_COLUMNAR_ZLIB: (decode_columnar, True),
     CODEC_PROTOBUF: (decode_group_checked, False),
@@ -87,14 +92,24 @@ def _inflate(payload: bytes) -> bytes:
     return out
 
 
-def decode_group_payload(codec: bytes, payload: bytes) -> tuple[GroupData, int]:
-    """``(group, oldest policy version)`` from one validating pass; :class:`InvalidTrajectory` otherwise."""
+def decode_group_columnar(codec: bytes, payload: bytes) -> tuple[GroupData, int, bytes]:
+    """``(group, oldest policy version, columnar bytes)`` from one validating pass; the bytes are the
+    group's columnar encoding as read (inflated when compressed; the group's arrays are views into them),
+    ready to travel on without encoding again — ``b""`` for a legacy protobuf payload, which has none."""
     try:
         decode, compressed = _DECODERS[codec]
     except (KeyError, TypeError):
         known = ", ".join(repr(c) for c in _DECODERS)
         raise InvalidTrajectory(f"unknown payload codec {bytes(codec[:32])!r} (this reader knows {known})") from None
-    return decode(_inflate(payload) if compressed else payload)
+    data = _inflate(payload) if compressed else payload
+    group, oldest = decode(data)
+    return group, oldest, bytes(data) if decode is decode_columnar else b""
+
+
+def decode_group_payload(codec: bytes, payload: bytes) -> tuple[GroupData, int]:
+    """``(group, oldest policy version)`` from one validating pass; :class:`InvalidTrajectory` otherwise."""
+    group, oldest, _ = decode_group_columnar(codec, payload)
+    return group, oldest
 
 
 def decode_payload(codec: bytes, payload: bytes) -> GroupData:

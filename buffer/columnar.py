@@ -2,7 +2,8 @@
 then each per-token array of the whole group concatenated, so that neither side does Python work per
 token or per array field.
 
-Why not the protobuf ``TrajectoryGroup`` (:mod:`buffer.wire`, still decoded for entries written before
+This is the one codec a group is written in (the stream, dead letters, the learner's rank broadcast).
+Why not the protobuf ``TrajectoryGroup`` (:mod:`buffer.wire`, now only a reader of entries written before
 this format): at 1K-token completions Redis moves a G=8 group in ~330 µs, and walking the protobuf wire
 format in Python costs ~40 fields and ~30 µs per trajectory each way. Here encoding is one
 ``struct.pack`` of the numbers, one ``json.dumps`` of the strings and one ``b"".join`` over the arrays'

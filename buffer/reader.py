@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import redis
 
-from buffer.codec import F_DATA, EntryHeader, decode_group_payload, read_header
+from buffer.codec import F_DATA, EntryHeader, decode_group_columnar, read_header
 from buffer.keys import LEARNER_GROUP, RedisKeys
 from buffer.policy import stale_counter, staleness_of
 from buffer.replies import text
@@ -44,6 +44,9 @@ class BufferedGroup:
     entry_id: str
     group: GroupData
     staleness: int
+    # The group's columnar payload as read (its arrays are views into it): what the learner's rank 0
+    # forwards to its other ranks without encoding again; b"" for a legacy protobuf entry.
+    columnar: bytes = b""
 
 
 class TrajectoryReader:
@@ -181,7 +184,7 @@ class TrajectoryReader:
             try:
                 if payload is None:
                     raise InvalidTrajectory(f"payload key {self.keys.payload(head.nonce)} is gone (evicted?)")
-                group, oldest = decode_group_payload(head.codec, payload)
+                group, oldest, columnar = decode_group_columnar(head.codec, payload)
             except InvalidTrajectory as e:
                 settle.add("dead_letter", eid, nbytes=head.nbytes, reason=f"undecodable: {e}"[:500], nonce=head.nonce)
                 continue
@@ -190,7 +193,7 @@ class TrajectoryReader:
                 settle.add(stale_counter(head.group_id), eid, nbytes=head.nbytes, nonce=head.nonce)
                 continue
             self._inflight[eid] = (head.nbytes, lag, head.nonce)
-            good.append(BufferedGroup(entry_id=eid, group=group, staleness=lag))
+            good.append(BufferedGroup(entry_id=eid, group=group, staleness=lag, columnar=columnar))
         self._consumed += len(good)
         if settle:
             reasons = settle.counters.get("dead_letter", [])

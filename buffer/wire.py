@@ -1,21 +1,21 @@
-"""A lean codec for ``tether.v1.TrajectoryGroup``: the same wire format, without the copies.
+"""The reader of legacy protobuf payloads: trajectory groups written as ``tether.v1.TrajectoryGroup``
+(codec ``pb``/``pbz`` of :mod:`buffer.codec`) before the columnar codec (:mod:`buffer.columnar`).
 
-Why hand-written, and why it stays: the buffer's budget is a raw ``XADD``/``XREADGROUP``/``XACK`` of the
-same bytes, and at 1K-token completions Redis moves a G=8 group in ~100 µs. The generated classes
-(Python's upb runtime) copy every per-token array three times to build a message (``tobytes``, the
-field assignment, ``SerializeToString``; ~5 ms for a G=8 × 16K-token group) and twice more to parse
-one, and :func:`tether.trajectory.validate` costs ~5 numpy calls per trajectory. Here encoding is one
-``b"".join`` over the arrays' own buffers, decoding is one tight loop over the wire format that hands
-out numpy views into the payload (no copy), and both validate the whole group at once
+Read only, and kept only for old data: nothing in tether writes a group in this format any more (rollout
+servers, the buffer and the learner's rank broadcast all carry the columnar payload), but a Redis that
+outlives an upgrade — a resumed run's stream, its pending entries, its dead letters — can still hold
+entries written before, and the reader must decode them or dead-letter them with a reason, never fail.
+Delete this module, and the ``pb`` codecs, once no such data can be left.
+
+Why hand-written rather than the generated parser alone: the generated classes (Python's upb runtime)
+copy every per-token array twice to parse a message, and :func:`tether.trajectory.validate` costs ~5
+numpy calls per trajectory. Here decoding is one tight loop over the wire format that hands out numpy
+views into the payload (no copy), and validates the whole group at once
 (:func:`tether.trajectory.validate_group`: the same checks and error messages, a handful of numpy calls).
-
-Every field a rollout server writes is encoded by hand (maps and timestamps too: each sample carries its
-sampling temperature and its start and finish times, and building a generated message for those cost
-more than the rest of the trajectory); a value of an unexpected type goes to the generated classes. On
-the way out the rare fields (maps, timestamps) are parsed by the generated parser, which is as fast for
-them, and anything unexpected on the wire (an unknown field, a wire type that does not
-match) falls back to :func:`tether.trajectory.decode_group`, so this module is never more permissive
-than the generated parser. ``tests/unit/test_buffer_codec.py`` compares both paths message for message.
+The rare fields (maps, timestamps) are parsed by the generated parser, which is as fast for them, and
+anything unexpected on the wire (an unknown field, a wire type that does not match) falls back to
+:func:`tether.trajectory.decode_group`, so this module is never more permissive than the generated
+parser. ``tests/unit/test_buffer_codec.py`` compares both paths message for message.
 """
 
 from __future__ import annotations
@@ -45,152 +45,16 @@ _ARRAYS = (  # (field number, attribute, dtype) of the per-token byte fields, in
     (6, "policy_versions", VERSION_DTYPE),
     (7, "loss_mask", MASK_DTYPE),
 )
-_ARRAY_TAGS = tuple(bytes((num << 3 | 2,)) for num, _, _ in _ARRAYS)
 _BY_FIELD = {f: (name, dtype, dtype.itemsize) for f, name, dtype in _ARRAYS}
 _STRINGS = {1: "id", 2: "group_id", 11: "server_id", 15: "logprob_source"}
 _RARE = frozenset((9, 12, 13, 14))  # reward_components, started_at, finished_at, metadata: decoded by upb
-_MAX_TIMESTAMP_S = 253_402_300_800  # 10000-01-01: google.protobuf.Timestamp's range ends before it
 _DOUBLE = struct.Struct("<d")
-_ONE_BYTE = [bytes((i,)) for i in range(128)]
 # proto3 defaults, not TrajectoryData's (which would invent an id and say "raw" for a missing source).
 _EMPTY = {name: np.empty(0, dtype) for _, name, dtype in _ARRAYS} | dict.fromkeys(_STRINGS.values(), "")
 
 
 class _Fallback(Exception):
     """The fast decoder met something it does not handle; the generated parser decides."""
-
-
-def _varint(n: int) -> bytes:
-    if n < 0x80:
-        return _ONE_BYTE[n]
-    # Array lengths of 128 B .. 2 MB (every per-token field of a real completion): no loop, no bytearray.
-    if n < 0x4000:
-        return bytes((n & 0x7F | 0x80, n >> 7))
-    if n < 0x200000:
-        return bytes((n & 0x7F | 0x80, n >> 7 & 0x7F | 0x80, n >> 14))
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _wire_array(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """``arr`` itself when it already is the wire layout (the usual case), else a converted copy."""
-    # ``is`` first: numpy hands out one dtype instance per builtin type, and ``==`` costs ~10x more.
-    if type(arr) is np.ndarray and (arr.dtype is dtype or arr.dtype == dtype) and arr.flags.c_contiguous:
-        return arr
-    return np.ascontiguousarray(np.asarray(arr), dtype=dtype)
-
-
-def _map_entry(tag: bytes, key: str, value: bytes) -> bytes:
-    """One entry of a ``map<string, …>`` field; ``value`` is the entry's field 2, tag included."""
-    kb = key.encode()
-    entry = b"\x0a" + _varint(len(kb)) + kb + value
-    return tag + _varint(len(entry)) + entry
-
-
-def _string_map(tag: bytes, items: dict[str, str]) -> bytes:
-    out = b""
-    for k, v in items.items():
-        vb = v.encode()
-        out += _map_entry(tag, k, b"\x12" + _varint(len(vb)) + vb)
-    return out
-
-
-def _timestamp(tag: bytes, when: float) -> bytes:
-    seconds, nanos = divmod(int(when * 1e9), 1_000_000_000)  # what Timestamp.FromNanoseconds stores
-    if not 0 <= seconds < _MAX_TIMESTAMP_S:
-        raise _Fallback  # before 1970 or past 9999: the generated classes decide (and refuse)
-    body = (b"\x08" + _varint(seconds) if seconds else b"") + (b"\x10" + _varint(nanos) if nanos else b"")
-    return tag + _varint(len(body)) + body
-
-
-def _rare_fields(t: TrajectoryData) -> bytes:
-    """reward_components, started_at, finished_at and metadata, by hand: the generated classes cost more
-    than the rest of a trajectory's encoding. Anything unusual (a non-string key, a value of the wrong
-    type, a timestamp out of range) goes to the generated classes, which encode it or raise their error."""
-    try:
-        out = b""
-        for k, v in t.reward_components.items():
-            out += _map_entry(b"\x4a", k, b"\x11" + _DOUBLE.pack(v))
-        if t.started_at:
-            out += _timestamp(b"\x62", t.started_at)
-        if t.finished_at:
-            out += _timestamp(b"\x6a", t.finished_at)
-        return out + _string_map(b"\x72", t.metadata)
-    except (_Fallback, AttributeError, TypeError, ValueError, OverflowError, struct.error):
-        rare = pb.Trajectory(reward_components=t.reward_components, metadata=t.metadata)
-        if t.started_at:
-            rare.started_at.FromNanoseconds(int(t.started_at * 1e9))
-        if t.finished_at:
-            rare.finished_at.FromNanoseconds(int(t.finished_at * 1e9))
-        return rare.SerializeToString()
-
-
-def _encode_trajectory(t: TrajectoryData, arrays: list[np.ndarray], group_field: bytes, parts: list) -> None:
-    tid = t.id.encode()  # never empty: validate_group has run
-    head = b"\x0a" + _varint(len(tid)) + tid + group_field
-    body: list = [head]
-    size = len(head)
-    for tag, arr in zip(_ARRAY_TAGS, arrays, strict=True):
-        if n := arr.nbytes:
-            field = tag + _varint(n)
-            body += (field, arr)  # joined straight from the array's buffer: no copy until the final join
-            size += len(field) + n
-    tail = b"\x41" + _DOUBLE.pack(float(t.reward)) if t.reward else b""
-    if t.finish_reason:
-        tail += b"\x50" + _varint(int(t.finish_reason))
-    if t.server_id:
-        raw = t.server_id.encode()
-        tail += b"\x5a" + _varint(len(raw)) + raw
-    if t.logprob_source:
-        raw = t.logprob_source.encode()
-        tail += b"\x7a" + _varint(len(raw)) + raw
-    if t.reward_components or t.metadata or t.started_at or t.finished_at:  # every rollout server's sample
-        tail += _rare_fields(t)  # fields may come in any order on the wire
-    parts += (b"\x1a" + _varint(size + len(tail)), *body, tail)
-
-
-def encode_group_checked(g: GroupData) -> tuple[bytes, int, int]:
-    """``(payload, oldest policy version, completion tokens)``: :func:`encode_group_fast` plus what the
-    buffer's entry header needs, computed by the same vectorised pass that validates the group."""
-    parts: list = []
-    group_field = b""
-    if g.group_id:
-        gid = g.group_id.encode()
-        group_field = b"\x12" + _varint(len(gid)) + gid  # Trajectory.group_id: the same bytes for all G
-        parts.append(b"\x0a" + _varint(len(gid)) + gid)
-    if g.prompt_id:
-        pid = g.prompt_id.encode()
-        parts.append(b"\x12" + _varint(len(pid)) + pid)
-    arrays = []
-    for t in g.trajectories:
-        if not t.group_id:
-            t.group_id = g.group_id
-        wire = [_wire_array(getattr(t, name), dtype) for _, name, dtype in _ARRAYS]
-        arrays.append(wire)
-    oldest = validate_group(g.trajectories)
-    tokens = 0
-    for t, wire in zip(g.trajectories, arrays, strict=True):
-        if t.group_id == g.group_id:
-            _encode_trajectory(t, wire, group_field, parts)
-        else:  # a foreign trajectory: encoded as it is, and rejected by every decoder
-            own = t.group_id.encode()
-            _encode_trajectory(t, wire, b"\x12" + _varint(len(own)) + own, parts)
-        tokens += wire[1].shape[0]
-    if g.metadata:
-        try:
-            parts.append(_string_map(b"\x22", g.metadata))
-        except (AttributeError, TypeError, ValueError):  # not str -> str: the generated classes say why
-            parts.append(pb.TrajectoryGroup(metadata=g.metadata).SerializeToString())
-    return b"".join(parts), oldest, tokens
-
-
-def encode_group_fast(g: GroupData) -> bytes:
-    """Wire-compatible with :func:`tether.trajectory.encode_group` (same validation, same message)."""
-    return encode_group_checked(g)[0]
 
 
 def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:

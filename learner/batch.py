@@ -21,10 +21,12 @@ samples are scored at T = 1.
 A sample's staleness is :func:`buffer.staleness_of` of its own oldest token, the formula the buffer's
 reader drops and books groups by, so the two never disagree on the same tokens.
 
-Rank 0 sends the groups in one uint8 tensor (plus an int64 header of lengths), encoded by the buffer's
-fast codec (:mod:`buffer.wire`: the protobuf wire format, built from the arrays' own buffers; the other
-ranks get numpy views into the received bytes) — ``broadcast_object_list`` would pickle, and no pickle
-crosses a process boundary here.
+Rank 0 sends the groups in one uint8 tensor (plus an int64 header of lengths) in the one codec a group
+travels in, the columnar payload of :mod:`buffer.columnar`: the very bytes the buffer's reader fetched
+(:attr:`buffer.BufferedGroup.columnar`, inflated if they were compressed), so nothing is encoded again;
+only a group that comes without them (a legacy protobuf entry, a caller's own group) is encoded here, in
+the same codec. The other ranks decode them into numpy views of the received bytes —
+``broadcast_object_list`` would pickle, and no pickle crosses a process boundary here.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from buffer.columnar import MAGIC, decode_columnar, encode_columnar
 from buffer.policy import staleness_of
-from buffer.wire import decode_group_fast, encode_group_fast
 from learner.packing import Sample
 from tether.logs import get_logger
 from tether.trajectory import (
@@ -145,35 +147,56 @@ def _warn(skipped: Counter[str]) -> None:
         log.warning("trajectories_skipped", **dict(skipped))
 
 
-def pack_groups(groups: list[GroupData], *, stop: int = 0) -> tuple[torch.Tensor, bytearray]:
+def pack_groups(
+    groups: list[GroupData], *, payloads: list[bytes] | None = None, stop: int = 0
+) -> tuple[torch.Tensor, bytearray]:
     """Rank ``src``'s side of :func:`broadcast_groups`: an int64 header ``[stop, n, len_1 … len_n]`` and the
-    groups' encodings end to end (writable, so ``torch.frombuffer`` shares it rather than copying)."""
-    payloads = [encode_group_fast(g) for g in groups]
-    header = torch.tensor([int(stop), len(payloads), *map(len, payloads)], dtype=torch.int64)
-    return header, bytearray().join(payloads)
+    groups' columnar payloads end to end (writable, so ``torch.frombuffer`` shares it rather than copying).
+
+    ``payloads[i]``, when given and not empty, is ``groups[i]``'s columnar payload as read from the buffer,
+    sent as it is; a group without one is encoded here. Bytes of another codec are refused, not forwarded.
+    """
+    if payloads is None:
+        payloads = [b""] * len(groups)
+    if len(payloads) != len(groups):
+        raise ValueError(f"{len(payloads)} payloads for {len(groups)} groups")
+    parts = []
+    for g, p in zip(groups, payloads, strict=True):
+        if p and p[:3] != MAGIC:
+            raise ValueError(f"group {g.group_id}: payload starts {bytes(p[:4])!r}, not a columnar group")
+        parts.append(p or encode_columnar(g)[0])
+    header = torch.tensor([int(stop), len(parts), *map(len, parts)], dtype=torch.int64)
+    return header, bytearray().join(parts)
 
 
 def unpack_groups(header: torch.Tensor, data: bytes) -> tuple[list[GroupData], int]:
     """The other ranks' side: the groups (validated; arrays are read-only views into ``data``) and the stop
     code."""
     stop, n = int(header[0]), int(header[1])
+    view = memoryview(data)  # slices of it share the bytes: no copy per group
     out, offset = [], 0
     for length in header[2 : 2 + n].tolist():
-        out.append(decode_group_fast(data[offset : offset + length]))
+        out.append(decode_columnar(view[offset : offset + length])[0])
         offset += length
     return out, stop
 
 
 def broadcast_groups(
-    groups: list[GroupData] | None, *, src: int = 0, device: torch.device, stop: int = 0
+    groups: list[GroupData] | None,
+    *,
+    payloads: list[bytes] | None = None,
+    src: int = 0,
+    device: torch.device,
+    stop: int = 0,
 ) -> tuple[list[GroupData], int]:
-    """Rank ``src`` passes its groups (and a stop code: 0 go on, any other value says why to stop);
-    every rank returns the same decoded groups and code."""
+    """Rank ``src`` passes its groups, their columnar payloads as read when it has them (see
+    :func:`pack_groups`), and a stop code (0 go on, any other value says why to stop); every rank returns
+    the same groups and code (rank ``src`` its own, as passed)."""
     if dist.get_world_size() == 1:  # no other rank: nothing to encode or send
         return list(groups or []), int(stop)
     rank = dist.get_rank()
     if rank == src:
-        header, raw = pack_groups(list(groups or []), stop=stop)
+        header, raw = pack_groups(list(groups or []), payloads=payloads, stop=stop)
         size = torch.tensor([header.numel()], dtype=torch.int64, device=device)
     else:
         size = torch.zeros(1, dtype=torch.int64, device=device)

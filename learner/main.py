@@ -144,7 +144,9 @@ class Learner:
             with spans.span("wait_data", step=state.step + 1):  # the buffer's groups, and the rank broadcast
                 if zero is not None:  # admission counts from the version the servers hold, read when computed
                     batch, stop = zero.next_batch(state.version, self.stop_signal, lambda: publisher.published)
-                groups, stop = broadcast_groups([b.group for b in batch], device=self.device, stop=stop)
+                groups, stop = broadcast_groups(
+                    [b.group for b in batch], payloads=[b.columnar for b in batch], device=self.device, stop=stop
+                )
             if stop != GO_ON:
                 return {FAILED: 1, CANNOT_TRAIN: CANNOT_TRAIN}.get(stop, 0)
             t_data = time.perf_counter() - t0

@@ -23,10 +23,9 @@ from buffer import (
     read_version,
 )
 from buffer.columnar import encode_columnar
-from buffer.wire import encode_group_fast
 from tests.unit.test_buffer_codec import make_group
 from tether.config.buffer import BufferConfig
-from tether.trajectory import InvalidTrajectory
+from tether.trajectory import InvalidTrajectory, encode_group
 from tether.v1.trajectory_pb2 import Prompt
 
 KEYS = RedisKeys("t")
@@ -230,7 +229,7 @@ def test_older_and_newer_payload_formats(client: redis.Redis) -> None:
     this reader does not know is dead-lettered saying so, and the entries around it flow."""
     c = cfg()
     writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
-    old = encode_group_fast(make_group(seed=5))
+    old = encode_group(make_group(seed=5))
     client.set(KEYS.payload("old-1"), old)
     client.xadd(KEYS.trajectories, {"g": "group-5", "v": "1", "c": "pb", "n": len(old), "k": "old-1"})
     newer = bytes(encode_columnar(make_group(seed=6))[0])

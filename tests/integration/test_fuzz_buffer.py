@@ -22,11 +22,10 @@ from hypothesis import strategies as st
 
 from buffer import PromptQueue, RedisKeys, TrajectoryReader, TrajectoryWriter, buffer_stats
 from buffer.codec import CODEC_COLUMNAR, CODEC_PROTOBUF, decode_group_payload, encode_payload
-from buffer.wire import encode_group_fast
 from tests.integration.test_fuzz_grpc import FUZZ
 from tests.unit.test_buffer_codec import make_group
 from tether.config.buffer import BufferConfig
-from tether.trajectory import InvalidTrajectory
+from tether.trajectory import InvalidTrajectory, encode_group
 from tether.v1 import control_pb2, reward_pb2, trajectory_pb2
 
 
@@ -146,7 +145,7 @@ def test_decoder_raises_only_invalid_trajectory(data: bytes, codec: bytes) -> No
 
 _VALID = {
     CODEC_COLUMNAR: bytes(encode_payload(make_group(seed=3))[1]),
-    CODEC_PROTOBUF: encode_group_fast(make_group(seed=3)),
+    CODEC_PROTOBUF: encode_group(make_group(seed=3)),
 }
 
 

@@ -11,9 +11,8 @@ import pytest
 
 from buffer.codec import CODEC_COLUMNAR, CODEC_PROTOBUF, decode_group_payload, encode_group_payload
 from buffer.columnar import decode_columnar, encode_columnar
-from buffer.wire import encode_group_fast
 from tests.unit.test_buffer_codec import make_group
-from tether.trajectory import GroupData, InvalidTrajectory, TrajectoryData, validate
+from tether.trajectory import GroupData, InvalidTrajectory, TrajectoryData, encode_group, validate
 from tether.v1 import trajectory_pb2 as pb
 
 _ARRAYS = ("prompt_token_ids", "completion_token_ids", "behavior_logprobs", "policy_versions", "loss_mask")
@@ -89,7 +88,7 @@ def test_arrays_of_other_dtypes_are_converted_like_the_protobuf_path() -> None:
     group.trajectories[0].completion_token_ids = group.trajectories[0].completion_token_ids.astype(np.int64)
     group.trajectories[1].behavior_logprobs = group.trajectories[1].behavior_logprobs.astype(np.float64)[::-1].copy()
     back = decode_columnar(bytes(encode_columnar(group)[0]))[0]
-    reference = decode_group_payload(CODEC_PROTOBUF, encode_group_fast(group))[0]
+    reference = decode_group_payload(CODEC_PROTOBUF, encode_group(group))[0]
     for got, want in zip(back.trajectories, reference.trajectories, strict=True):
         for name in _ARRAYS:
             np.testing.assert_array_equal(getattr(got, name), getattr(want, name), strict=True)
@@ -228,7 +227,7 @@ def test_another_version_or_format_is_refused_with_the_reason() -> None:
     with pytest.raises(InvalidTrajectory, match="version 2; this reader knows version 1"):
         decode_group_payload(CODEC_COLUMNAR, payload[:3] + b"\x02" + payload[4:])
     with pytest.raises(InvalidTrajectory, match="not a columnar trajectory group"):
-        decode_group_payload(CODEC_COLUMNAR, encode_group_fast(make_group()))
+        decode_group_payload(CODEC_COLUMNAR, encode_group(make_group()))
     start = 16 + 36 * 4
     with pytest.raises(InvalidTrajectory, match="header is not JSON"):
         decode_columnar(payload[:start] + b"x" + payload[start + 1 :])
@@ -240,7 +239,7 @@ def test_another_version_or_format_is_refused_with_the_reason() -> None:
 
 def test_protobuf_payloads_written_before_still_decode() -> None:
     group = make_group(rich=True)
-    back, oldest = decode_group_payload(CODEC_PROTOBUF, encode_group_fast(group))
+    back, oldest = decode_group_payload(CODEC_PROTOBUF, encode_group(group))
     assert oldest == group.oldest_version
     assert back.trajectories[1].finish_reason == pb.FINISH_REASON_STOP
     np.testing.assert_array_equal(back.trajectories[3].behavior_logprobs, group.trajectories[3].behavior_logprobs)

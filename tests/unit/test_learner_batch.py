@@ -116,12 +116,24 @@ def test_each_sample_carries_the_temperature_it_was_sampled_at() -> None:
     assert [s.temperature for s in samples] == [0.7, 0.5, 1.0, 1.0]
 
 
-def test_rank_broadcast_payload_round_trips_every_field() -> None:
-    """What rank 0 packs is the protobuf message the generated code reads, and what the other ranks unpack
-    equals what was sent, field for field (rich groups: reward components, metadata, timestamps)."""
+def same_group(a, b) -> None:
+    """``a`` equals ``b`` field for field, arrays by dtype and bytes."""
+    assert (a.group_id, a.prompt_id, a.metadata) == (b.group_id, b.prompt_id, b.metadata)
+    for ta, tb in zip(a.trajectories, b.trajectories, strict=True):
+        for name, value in vars(tb).items():
+            if isinstance(value, np.ndarray):
+                assert getattr(ta, name).dtype == value.dtype and getattr(ta, name).tobytes() == value.tobytes()
+            else:
+                assert getattr(ta, name) == value, name
+
+
+def test_rank_broadcast_payload_is_columnar_and_round_trips_every_field() -> None:
+    """What rank 0 packs is the columnar payload, nothing else (each group's bytes are what the buffer's
+    codec writes), and what the other ranks unpack equals what was sent, field for field (rich groups:
+    reward components, metadata, timestamps)."""
+    from buffer.columnar import MAGIC, encode_columnar
     from learner.batch import pack_groups, unpack_groups
     from tests.unit.test_buffer_codec import make_group
-    from tether.trajectory import decode_group
 
     sent = [make_group(rich=True, seed=s, tokens=16 * (s + 1)) for s in range(3)]
     header, raw = pack_groups(sent, stop=7)
@@ -129,15 +141,117 @@ def test_rank_broadcast_payload_round_trips_every_field() -> None:
     assert stop == 7 and len(got) == len(sent)
     offset = 0
     for a, b, n in zip(got, sent, header[2:].tolist(), strict=True):
-        assert decode_group(bytes(raw[offset : offset + n])).group_id == b.group_id  # the generated parser agrees
+        assert raw[offset : offset + 3] == MAGIC  # a second codec on this path fails here
+        assert bytes(raw[offset : offset + n]) == encode_columnar(b)[0]
         offset += n
-        assert (a.group_id, a.prompt_id, a.metadata) == (b.group_id, b.prompt_id, b.metadata)
-        for ta, tb in zip(a.trajectories, b.trajectories, strict=True):
-            for name, value in vars(tb).items():
-                if isinstance(value, np.ndarray):
-                    assert getattr(ta, name).dtype == value.dtype and getattr(ta, name).tobytes() == value.tobytes()
-                elif name in ("started_at", "finished_at"):  # protobuf Timestamps: nanoseconds, not a double
-                    assert abs(getattr(ta, name) - value) < 1e-6, name
-                else:
-                    assert getattr(ta, name) == value, name
+        same_group(a, b)
+        assert not a.trajectories[0].completion_token_ids.flags.writeable  # views into the received bytes
     assert unpack_groups(*pack_groups([], stop=0)) == ([], 0)
+
+
+def test_rank_broadcast_sends_the_bytes_read_as_they_are() -> None:
+    """Payloads handed in (the reader's :attr:`BufferedGroup.columnar`) go out unchanged, not re-encoded; a
+    group without one is encoded in the same codec; bytes of another codec are refused, not forwarded."""
+    import pytest
+
+    from buffer.codec import CODEC_COLUMNAR, decode_group_columnar, encode_payload
+    from learner.batch import pack_groups
+    from tests.unit.test_buffer_codec import make_group
+    from tether.trajectory import encode_group
+
+    sent = [make_group(seed=s) for s in range(3)]
+    read = [encode_payload(g)[1] for g in sent[:2]]
+    groups = [decode_group_columnar(CODEC_COLUMNAR, p)[0] for p in read] + [sent[2]]
+    # A group whose arrays no longer match its payload would be re-encoded differently: the bytes win.
+    marker = bytearray(read[0])
+    marker[-1] ^= 1  # the last loss-mask byte, 0 <-> 1: still a valid group
+    read[0] = bytes(marker)
+    header, raw = pack_groups(groups, payloads=[*read, b""], stop=0)
+    assert bytes(raw) == read[0] + read[1] + encode_payload(sent[2])[1]
+    assert header.tolist() == [0, 3, *map(len, [read[0], read[1], encode_payload(sent[2])[1]])]
+    with pytest.raises(ValueError, match="not a columnar group"):
+        pack_groups(sent[:1], payloads=[encode_group(sent[0])])
+    with pytest.raises(ValueError, match="2 payloads for 1 groups"):
+        pack_groups(sent[:1], payloads=read)
+
+
+_RANK = """
+import sys
+
+import torch
+import torch.distributed as dist
+
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+from buffer.codec import CODEC_COLUMNAR, decode_group_columnar, encode_payload
+from learner.batch import broadcast_groups
+from tests.unit.test_buffer_codec import make_group
+from tests.unit.test_learner_batch import same_group
+
+wire = []  # every uint8 tensor broadcast: the groups' bytes as they cross between the processes
+_broadcast = dist.broadcast
+def spy(tensor, src, *args, **kwargs):
+    out = _broadcast(tensor, src, *args, **kwargs)
+    if tensor.dtype == torch.uint8:
+        wire.append(bytes(tensor.numpy()))
+    return out
+dist.broadcast = spy
+
+sent = [make_group(rich=True, seed=s, tokens=8 * (s + 1)) for s in range(3)]
+for g in sent:  # the same ids in both processes (a trajectory's default id is random)
+    for i, t in enumerate(g.trajectories):
+        t.id = f"{g.group_id}/{i}"
+read = [encode_payload(g)[1] for g in sent]  # what the buffer's reader hands rank 0
+if rank == 0:
+    groups = [decode_group_columnar(CODEC_COLUMNAR, p)[0] for p in read[:2]] + [sent[2]]
+    got, stop = broadcast_groups(groups, payloads=[*read[:2], b""], device=torch.device("cpu"), stop=0)
+else:
+    got, stop = broadcast_groups(None, device=torch.device("cpu"))
+assert stop == 0 and len(got) == 3, (stop, len(got))
+for a, b in zip(got, sent, strict=True):
+    same_group(a, b)
+assert wire == [b"".join(read)], "the broadcast carried other bytes than the columnar payloads"
+got, stop = broadcast_groups([] if rank == 0 else None, device=torch.device("cpu"), stop=3)
+assert (got, stop) == ([], 3)
+dist.destroy_process_group()
+print("rank", rank, "ok")
+"""
+
+
+def test_broadcast_between_two_gloo_ranks_carries_the_columnar_bytes() -> None:
+    """Two real processes over gloo: rank 1 gets every group field for field, and the only bytes that
+    crossed are the columnar payloads rank 0 read (none re-encoded, no second codec, no pickle)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tether.redis_server import free_port
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    port = str(free_port())
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK, str(r), port],
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outputs = []
+    try:
+        for p in ranks:
+            outputs.append(p.communicate(timeout=120)[0])
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    codes = [p.returncode for p in ranks]
+    report = "\n".join(f"rank {r} exited {c}:\n{o}" for r, (c, o) in enumerate(zip(codes, outputs, strict=True)))
+    assert codes == [0, 0], report
+    assert all(f"rank {r} ok" in out for r, out in enumerate(outputs)), report
