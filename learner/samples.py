@@ -42,14 +42,15 @@ import numpy as np
 import redis
 
 from buffer import BufferedGroup
-from buffer.codec import decode_group_payload
+from buffer.codec import CODEC_COLUMNAR, CODEC_PROTOBUF, decode_group_payload
+from buffer.columnar import MAGIC
 from buffer.keys import RedisKeys
 from buffer.replies import text
 from learner.advantages import assign_advantages, get_estimator
 from learner.batch import build_samples
 from tether.config import TetherConfig
 from tether.logs import get_logger
-from tether.trajectory import GroupData, TrajectoryData, decode_group
+from tether.trajectory import GroupData, TrajectoryData
 from tether.v1 import trajectory_pb2 as pb
 from tether.viewer.records import (
     DEAD_LETTER_SHARE,
@@ -302,7 +303,8 @@ def _payload(f: dict, reason: str) -> tuple[GroupData | None, pb.Prompt | None]:
             return None, None
         if "p" not in f and "bad prompt" not in reason:
             try:
-                group = decode_group(raw)
+                codec = CODEC_COLUMNAR if raw[:3] == MAGIC else CODEC_PROTOBUF  # protobuf: a record from before
+                group = decode_group_payload(codec, raw)[0]
                 if group.trajectories:
                     return group, None
             except Exception:  # not a group: read as a prompt below

@@ -28,7 +28,7 @@ from rollout_server.validation import BadRequest, check_length, encode
 from tether import spans
 from tether.logs import get_logger
 from tether.resources import prompt_workers
-from tether.trajectory import PROMPT_GROUP_PREFIX, GroupData, encode_group
+from tether.trajectory import PROMPT_GROUP_PREFIX, GroupData
 from tether.v1 import trajectory_pb2
 
 log = get_logger(__name__)
@@ -142,7 +142,10 @@ class PromptWorker:
                 log.warning("reward_failed", group_id=group_id, attempt=attempt + 1, error=failure)
                 await asyncio.sleep(min(2.0, 0.2 * 2**attempt))
         else:
-            await self._dead_letter(entry_id, group_id, f"reward failed: {failure}", encode_group(group))
+            from buffer.codec import encode_payload
+
+            payload = encode_payload(group)[1]  # the columnar group, the one codec a group is written in
+            await self._dead_letter(entry_id, group_id, f"reward failed: {failure}", payload)
             return
         for t, (reward, components) in zip(trajectories, scores, strict=True):
             t.reward, t.reward_components = float(reward), components

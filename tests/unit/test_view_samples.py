@@ -11,12 +11,12 @@ import pytest
 import redis
 
 from buffer import BufferedGroup, dead_letter
+from buffer.codec import encode_payload
 from buffer.keys import RedisKeys
 from learner.data import PromptSource
 from learner.samples import DEAD_TOKENS, GenerationLog, spread
 from learner.synthetic import make_groups
 from tether.config import load_config
-from tether.trajectory import encode_group
 from tether.v1.trajectory_pb2 import FINISH_REASON_ABORTED, Prompt
 from tether.viewer.records import DEAD_LETTERS, GENERATIONS, read_records
 
@@ -94,7 +94,7 @@ def test_dead_letters_are_copied_once_with_their_reason_and_payload(tmp_path: Pa
     long.behavior_logprobs, long.loss_mask = np.zeros(n, np.float32), np.ones(n, np.uint8)
     long.policy_versions = np.full(n, 2, np.int32)
     dead_letter(redis_client, keys, source="rollout-0", reason=f"{group.group_id}: reward failed: boom",
-                data=encode_group(group))  # fmt: skip
+                data=encode_payload(group)[1])  # fmt: skip  # a rollout server's: columnar
     prompt = Prompt(prompt_id="p9", dataset_index=9, text="upper:", reward_context={"data_source": "charclass"})
     dead_letter(
         redis_client, keys, source="rollout-1", reason="p9: bad prompt: 99 tokens", data=prompt.SerializeToString()
@@ -129,3 +129,22 @@ def test_a_step_due_while_the_last_is_being_written_is_not_logged(tmp_path: Path
     log.trained(_batch(), step=2, version=3)
     log.close()
     assert sorted({r["step"] for r in read_records(tmp_path / GENERATIONS)[0]}) == [2]
+
+
+def test_a_dead_letter_written_before_the_columnar_codec_still_reads(tmp_path: Path, redis_client: redis.Redis) -> None:
+    """Rollout servers dead-letter a group in the columnar codec; a record written before it (protobuf: the
+    generated encoder stands in for the old writer) is still read as its group."""
+    from tether.trajectory import encode_group
+
+    keys = RedisKeys("view-legacy")
+    group = _batch()[1].group
+    dead_letter(redis_client, keys, source="rollout-0", reason=f"{group.group_id}: reward failed: old",
+                data=encode_group(group))  # fmt: skip
+    cfg = _cfg()
+    log = GenerationLog(cfg, tmp_path, client=redis_client, keys=keys, source=PromptSource(cfg))
+    log.trained(_batch(), step=1, version=3)
+    log.close()
+    (record,), _ = read_records(tmp_path / DEAD_LETTERS)
+    assert record["group_id"] == group.group_id
+    assert record["prompt"] == group.trajectories[0].prompt_token_ids.tolist()
+    assert record["samples"][1]["ids"] == group.trajectories[1].completion_token_ids[:DEAD_TOKENS].tolist()
