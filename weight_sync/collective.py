@@ -310,39 +310,13 @@ class CollectiveReceive:
     def receive(self, plan, *, timeout_s: float) -> list[torch.Tensor]:
         """Blocking: wait for ``go``, (re)build the group if the epoch changed, receive every bucket."""
         src = plan.collective
-        device = self._device_for(src.backend)
-        if device.type == "cuda":
-            # This runs on a receive thread, whose current device is cuda:0 whatever the loader's is: NCCL
-            # would put the group (and its probe) there, and two ranks on one GPU is an NCCL error.
-            torch.cuda.set_device(device)
+        device = self._thread_device(src.backend)
         with self.lock:
-            host, port = parse_init_method(src.init_method)
-            if self._epoch != (src.init_method, src.group_epoch):
-                close_group(self._pg)
-                self._pg, self._epoch = None, None
-                self._store = dist.TCPStore(host, port, is_master=False, timeout=_timeout(self.go_timeout_s))
-            store = self._store
-            key = go_key(plan.update_id, src.group_epoch)
-            store.wait([key], _timeout(self.go_timeout_s))
-            if store.get(key) != b"1":
-                raise TransferAborted(f"update {plan.update_id}: the sender called it off (a member was not ready)")
+            self._join(plan, timeout_s=timeout_s, device=device)
             try:
-                if self._pg is None:
-                    self._pg = build_group(
-                        backend=src.backend,
-                        store=store,
-                        rank=src.rank,
-                        world_size=src.world_size,
-                        epoch=src.group_epoch,
-                        timeout_s=timeout_s,
-                        host=host,
-                        device=device if device.type == "cuda" else None,
-                    )
-                    self._epoch = (src.init_method, src.group_epoch)
                 flats = self._buffers_for(plan, device)
             except Exception:
-                close_group(self._pg)
-                self._pg, self._epoch = None, None
+                self._drop_group()
                 raise
             try:
                 # Every segment's receive is posted up front (each into its byte range of a bucket), so the
@@ -356,8 +330,7 @@ class CollectiveReceive:
                 # A broken group is useless for the next update; the sender bumps the epoch anyway.
                 # This set is dropped too (an aborted broadcast may still be writing into it); a live set
                 # never is received into, so the model's weights are untouched.
-                close_group(self._pg)
-                self._pg, self._epoch = None, None
+                self._drop_group()
                 self._sets = [s for s in self._sets if s is not flats]
                 raise
 
@@ -373,9 +346,7 @@ class CollectiveReceive:
         that fails half-way has already loaded its first buckets (:class:`PartialUpdate`).
         """
         src = plan.collective
-        device = self._device_for(src.backend)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # see receive(): this runs on a thread of its own
+        device = self._thread_device(src.backend)
         with self.lock:
             self._join(plan, timeout_s=timeout_s, device=device)
             layout = Layout.from_plan(plan)
@@ -475,6 +446,15 @@ class CollectiveReceive:
     def _drop_group(self) -> None:
         close_group(self._pg)
         self._pg, self._epoch = None, None
+
+    def _thread_device(self, backend: str) -> torch.device:
+        """The device to receive on, made this thread's current CUDA device: receives run on a thread of their
+        own, whose current device is cuda:0 whatever the loader's is, and NCCL would put the group (and its
+        probe) there — two ranks on one GPU is an NCCL error."""
+        device = self._device_for(backend)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return device
 
     def _device_for(self, backend: str) -> torch.device:
         # NCCL moves CUDA memory only: its buffers live on the current GPU of whoever set ``device`` when that
