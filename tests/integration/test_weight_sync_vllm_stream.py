@@ -26,28 +26,16 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
 
     import grpc
     from vllm import SamplingParams
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
 
-    from rollout_server.engines.vllm_engine import WORKER_EXTENSION, WorkerDelivery
-    from tests.integration.test_weight_sync_vllm import VllmTestEngine
+    from rollout_server.engines.vllm_engine import WorkerDelivery
+    from tests.integration.test_weight_sync_vllm import VllmTestEngine, tiny_async_llm
     from tests.weight_receiver import ControlServicer, ModelEngine
     from tether.config import TetherConfig
     from tether.v1 import control_pb2_grpc
     from weight_sync.receiver import WeightReceiver
     from weight_sync.sender import WeightSender
 
-    llm = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(
-            model=model_dir,
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=256,
-            max_num_seqs=4,
-            worker_extension_cls=WORKER_EXTENSION,
-            seed=0,
-        )
-    )
+    llm = tiny_async_llm(model_dir)
     cfg = TetherConfig.model_validate(
         {
             "run": {"run_id": "vllm-stream", "output_dir": str(Path(workdir) / "runs")},
