@@ -32,7 +32,6 @@ path), ``learner_step/critical_publish_vs_<lever off>``, ``learner_step/optimize
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -42,55 +41,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import figure, ordered, report
+from bench.demo_rank import DemoRank
 
 LEVERS = ("background", "fused_adamw", "local_adamw", "local_shard", "local_clip")
 
 
-class Learner:
+class Learner(DemoRank):
     """The demo learner's step, with each lever switchable between blocks."""
 
     def __init__(self, workdir: Path) -> None:
-        import torch
-        import torch.distributed as dist
-        import yaml
-
         from learner import trainer as trainer_module
         from learner.optim import LocalAdamW
-        from learner.parallelize import load_model, parallelize
-        from learner.synthetic import make_groups
-        from learner.trainer import Trainer
-        from tests.weight_receiver import ReceiverProcess
-        from tether.config.loader import load_config
-        from tether.redis_server import free_port
-        from tether.tiny_model import make_tiny_model
         from weight_sync import sender as sender_module
-        from weight_sync.sender import WeightSender
 
-        model_dir = make_tiny_model(workdir / "model", hidden=64, layers=2, heads=2, seed=0)
-        config = workdir / "config.yaml"
-        config.write_text(
-            yaml.safe_dump(
-                {
-                    "run": {"run_id": "bench", "output_dir": str(workdir / "runs")},
-                    "model": {"path": str(model_dir)},
-                    "rollout": {"max_tokens": 8, "n": 8},
-                    "learner": {"train_batch_size": 8, "lr": 3e-3, "total_steps": 10**6, "device": "cpu"},
-                    "algorithm": {"max_staleness": 1, "loss_agg_mode": "token-mean"},
-                    "weight_sync": {"transport": {"type": "filesystem"}},
-                }
-            )
-        )
-        cfg = load_config(config)
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
-        dist.init_process_group("gloo")
-        device = torch.device("cpu")
-        self.model = parallelize(load_model(cfg, device), cfg, device, shard=True)
-        self.trainer = Trainer(cfg, self.model, device=device, ref_model=None)
-        self.receiver = ReceiverProcess(config=config, model=model_dir, workdir=workdir)
-        self.sender = WeightSender(cfg, model=self.model, servers=[self.receiver.address])
-        self.groups = make_groups(8, 8, vocab=self.model.config.vocab_size, seed=0, completion_len=(8, 8))
-        self.version = 0
+        super().__init__(workdir, shard=True)
         self._module, self._local = sender_module, sender_module.full_tensor
         self._trainer_module, self._clip = trainer_module, trainer_module.clip_grad_norm
         self._optimizer_class = LocalAdamW
@@ -137,13 +101,6 @@ class Learner:
             "optimizer": statistics.median(self._opt_seconds),
             "train": statistics.median(train),
         }
-
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        self.sender.close()
-        self.receiver.stop()
-        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
     python bench/trace_overhead.py [--quick] [--repeats N] [--steps N]
 
-The demo learner's loop in one process (:class:`Loop`: the demo model, 64 wide × 2 layers, one gloo
+The demo learner's loop in one process (:class:`bench.demo_rank.DemoRank`: the demo model, 64 wide × 2 layers, one gloo
 rank, 8 prompts × 8 samples of 8 tokens, a filesystem publication every step to one standalone receiver
 process, in the background as a ``max_staleness: 1`` run does), with the spans ``learner/main.py`` records
 around it (``wait_data``, ``train_step``, ``weight_sync_wait``, ``publish``) and those the trainer and the
@@ -26,58 +26,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import figure, ordered, report
+from bench.demo_rank import DemoRank
 
 
-class Loop:
-    """The demo learner rank's pieces: the trainer on fixed synthetic groups, the sender to one receiver."""
-
-    def __init__(self, workdir: Path) -> None:
-        import os
-
-        import torch
-        import torch.distributed as dist
-        import yaml
-
-        from learner.parallelize import load_model, parallelize
-        from learner.synthetic import make_groups
-        from learner.trainer import Trainer
-        from tests.weight_receiver import ReceiverProcess
-        from tether.config.loader import load_config
-        from tether.redis_server import free_port
-        from tether.tiny_model import make_tiny_model
-        from weight_sync.sender import WeightSender
-
-        model_dir = make_tiny_model(workdir / "model", hidden=64, layers=2, heads=2, seed=0)
-        config = workdir / "config.yaml"
-        config.write_text(yaml.safe_dump({
-            "run": {"run_id": "bench", "output_dir": str(workdir / "runs")},
-            "model": {"path": str(model_dir)},
-            "rollout": {"max_tokens": 8, "n": 8},
-            "learner": {"train_batch_size": 8, "lr": 3e-3, "total_steps": 10**6, "device": "cpu"},
-            "algorithm": {"max_staleness": 1, "loss_agg_mode": "token-mean"},
-            "weight_sync": {"transport": {"type": "filesystem"}},
-        }))  # fmt: skip
-        cfg = load_config(config)
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
-        dist.init_process_group("gloo")
-        device = torch.device("cpu")
-        model = parallelize(load_model(cfg, device), cfg, device)
-        self.trainer = Trainer(cfg, model, device=device, ref_model=None)
-        self.receiver = ReceiverProcess(config=config, model=model_dir, workdir=workdir)
-        self.sender = WeightSender(cfg, model=model, servers=[self.receiver.address])
-        self.groups = make_groups(8, 8, vocab=model.config.vocab_size, seed=0, completion_len=(8, 8))
-        self.version = 0
-
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        self.sender.close()
-        self.receiver.stop()
-        dist.destroy_process_group()
-
-
-def block(learner: Loop, *, steps: int, trace: Path | None) -> tuple[float, int]:
+def block(learner: DemoRank, *, steps: int, trace: Path | None) -> tuple[float, int]:
     """Steps/s over ``steps`` demo learner steps, recording spans into ``trace`` (None: off); spans written."""
     from learner.telemetry import nvtx
     from tether import spans
@@ -118,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # as tether up gives the learner of an async run on 2 cores
     ratios, on_rates, off_rates, per_step = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="tether-bench-trace-") as tmp:
-        learner = Loop(Path(tmp))
+        learner = DemoRank(Path(tmp))
         try:
             block(learner, steps=max(2, steps // 4), trace=None)  # warm-up: first snapshot, handshake, allocator
             for k in range(repeats):
