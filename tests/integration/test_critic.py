@@ -5,13 +5,14 @@
   what the checkpoint must carry).
 - Two gloo ranks give one rank's actor and critic metrics (each rank scores its share of the values).
 - During the critic's warm-up the actor's weights do not move while the critic's do.
-- A short ``tether up`` of the demo task with GAE: the critic's explained variance rises, and its
-  metrics reach ``metrics.jsonl``.
+- A short ``tether up`` of the demo task with GAE: the critic's value loss falls, and its metrics (an
+  explained variance among them) reach ``metrics.jsonl``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -132,7 +133,7 @@ def test_critic_warmup_holds_the_actor_and_trains_the_critic(tiny_model_dir: Pat
     assert "loss/pg" in out and not torch.equal(_flat(trainer.model), actor)
 
 
-def test_tether_up_with_gae_raises_explained_variance(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_tether_up_with_gae_trains_its_critic(tmp_path: Path, tiny_model_dir: Path) -> None:
     steps = 12
     path = write_config(tmp_path, tiny_model_dir, run_id="gae", steps=steps)
     cfg = yaml.safe_load(path.read_text())
@@ -146,13 +147,16 @@ def test_tether_up_with_gae_raises_explained_variance(tmp_path: Path, tiny_model
     assert result.returncode == 0, result.stderr[-3000:] + logs
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("reward/mean") is not None]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    ev = [r["critic/vf_explained_var"] for r in rows]
-    # 12 steps, medians of the first 3 and the last 4, not means: one batch whose returns hardly vary gives
-    # an explained variance of -6 to -17 (its denominator is near 0). With 6 steps and medians of 3 this
-    # failed once in CI on a busy machine; 12 steps under two CPU burners gave margins of 0.36 to 1.6.
-    early, late = statistics.median(ev[:3]), statistics.median(ev[-4:])
-    assert late > early + 0.1, ev
     assert all(set(CRITIC_KEYS) <= set(r) for r in rows)
+    assert all(math.isfinite(r[k]) for r in rows for k in CRITIC_KEYS)
+    # The critic learns the returns: its randomly initialised value head starts far off (a value loss of
+    # about 0.3 on this task), and a few updates bring it to the returns' scale (about 0.01). Medians of
+    # the first 3 and the last 4 steps. The explained variance is logged but not asserted: on 16 samples
+    # of a 0/1 reward whose mean is about 0.1 its denominator is near 0, and it moved from -0.41 to -0.40
+    # over 12 steps in one CI run (from -0.84 to 0.2 in another).
+    loss = [r["critic/vf_loss"] for r in rows]
+    early, late = statistics.median(loss[:3]), statistics.median(loss[-4:])
+    assert late < early / 3, loss
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])

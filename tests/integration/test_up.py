@@ -89,12 +89,20 @@ def test_short_run_trains_acknowledges_and_cleans_up(tmp_path: Path, tiny_model_
     assert all(r["staleness/max"] <= 1 for r in rows)  # max_staleness: 1
     if transport == "gloo":  # both servers were reached by the last update over the collective
         assert rows[-1]["weight_sync/reached"] == 2
-    if transport == "store":  # both servers pulled the last version (a delta, at most `fanout` from the learner)
-        assert rows[-1]["weight_sync/reached"] == 2 and rows[-1]["weight_sync/dropped"] == 0
+    if transport == "store":  # the last version, a delta, reached every server (at most `fanout` from the learner)
+        assert rows[-1]["weight_sync/dropped"] == 0 and rows[-1]["weight_sync/reached"] >= 1, logs
         assert rows[-1]["weight_sync/base"] == 0 and rows[-1]["weight_sync/delta_ratio"] < 1
-        pulled = [json.loads(line) for p in (run_dir / "logs").glob("*.log") for line in p.read_text().splitlines()
-                  if '"weights_pulled"' in line]  # fmt: skip
-        assert {p["version"] for p in pulled} >= set(range(STEPS))  # v0 (the starting base) .. the last
+        # Each server pulled the starting base and the last version. (Not asserted: that the learner saw
+        # both in the registry at the last publication — in one CI run it saw one, whose heartbeat had
+        # lapsed or had not come back yet, and that server pulled the version after; `reached` counts the
+        # servers the learner waited for.)
+        for server in ("rollout-0", "rollout-1"):
+            lines = (run_dir / "logs" / f"{server}.log").read_text().splitlines()
+            pulled = [json.loads(line)["version"] for line in lines if '"weights_pulled"' in line]
+            assert {0, STEPS} <= set(pulled), (server, pulled, logs)
+        published = [json.loads(line) for line in (run_dir / "logs" / "learner-rank0.log").read_text().splitlines()
+                     if '"weights_published"' in line]  # fmt: skip
+        assert [p["version"] for p in published] == list(range(STEPS + 1))  # v0 (the starting base) .. the last
 
     # every group trained on was acknowledged, nothing was read and left unacknowledged
     stats = json.loads((run_dir / "buffer_stats.json").read_text())
