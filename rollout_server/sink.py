@@ -45,13 +45,17 @@ class BufferSink:
         self.registry = ServerRegistry(self.client, self.keys)
         self.validation = ValidationQueue(self.client, self.keys, claim_idle_ms=cfg.buffer.claim_idle_ms)
         self._pool = ThreadPoolExecutor(max_workers=prompt_workers(cfg) + 4, thread_name_prefix="redis")
+        # The heartbeat has a thread of its own: a liveness mark must never queue behind the data path's
+        # calls (blocking prompt reads, inserts waiting for room), or the learner stops counting the server.
+        self._beat = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heartbeat")
         self._to_put: list[tuple[GroupData, asyncio.Future[bool]]] = []
         self._putter: asyncio.Task | None = None
 
-    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def _call(self, fn: Callable[..., T], *args: Any, pool: ThreadPoolExecutor | None = None, **kwargs: Any) -> T:
         # A span per Redis call: a Redis that stops answering is what the watchdog then names (tether.spans).
         with spans.span("redis", address=self._redis_at, op=getattr(fn, "__name__", "call")):
-            return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+            call = functools.partial(fn, *args, **kwargs)
+            return await asyncio.get_running_loop().run_in_executor(pool or self._pool, call)
 
     async def read_prompts(self, *, count: int = 1, block_ms: int = 1000) -> list[tuple[str, trajectory_pb2.Prompt]]:
         import redis
@@ -161,7 +165,7 @@ class BufferSink:
         from buffer import ServerInfo
 
         info = ServerInfo(self.server_id, address=address, engine=engine, policy_version=policy_version, extra=extra)
-        await self._call(self.registry.heartbeat, info, ttl_s=3 * self.cfg.rollout.heartbeat_s)
+        await self._call(self.registry.heartbeat, info, ttl_s=3 * self.cfg.rollout.heartbeat_s, pool=self._beat)
 
     async def published_version(self) -> int:
         """The policy version the learner last published (0 before the first)."""
@@ -203,4 +207,5 @@ class BufferSink:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._beat.shutdown(wait=False, cancel_futures=True)
         self.client.close()

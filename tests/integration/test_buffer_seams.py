@@ -125,3 +125,26 @@ def test_reader_and_learner_agree_on_staleness(redis_client: redis.Redis, seed: 
         samples, _ = build_samples([b.group], current_version=current)
         assert max(s.staleness for s in samples) == b.staleness
     reader.ack([b.entry_id for b in got])
+
+
+async def test_sink_heartbeat_is_not_queued_behind_the_data_path(redis_url: str) -> None:
+    # Every thread of the data path's pool busy (as blocking prompt reads and inserts waiting for room
+    # make it): the server's heartbeat still lands, so the learner keeps counting the server as live.
+    import threading
+
+    from buffer import ServerRegistry
+    from rollout_server.sink import BufferSink
+
+    run_id = f"beat-{uuid.uuid4().hex[:6]}"
+    cfg = load_config(None, ["--run.run_id", run_id, "--buffer.redis_url", redis_url])
+    client, keys = redis.Redis.from_url(redis_url), RedisKeys(run_id)
+    sink, release = BufferSink(cfg, "r0"), threading.Event()
+    try:
+        busy = [sink._pool.submit(release.wait, 30) for _ in range(sink._pool._max_workers)]
+        await asyncio.wait_for(sink.heartbeat(address="a:1", engine="e", policy_version=3, extra={}), 10)
+        assert [s.server_id for s in ServerRegistry(client, keys).live()] == ["r0"]
+        assert not any(f.done() for f in busy)  # the data path was saturated throughout
+    finally:
+        release.set()
+        sink.close()
+        client.close()
