@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = [int(x) for x in args.modes.split(",")]
     configs = [(rtt, mode) for rtt in rtts for mode in modes]
     results: dict[tuple[float, int], list[dict]] = {c: [] for c in configs}
-    from tether.tiny_model import make_tiny_model
+    from tether.commands.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="tether-bench-cluster-") as tmp:
         model = make_tiny_model(Path(tmp) / "model", hidden=64, layers=2, heads=2, seed=0)

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.rows, args.repeats = 100_000, 1
-    from tether.tiny_model import make_tiny_model
+    from tether.commands.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "model", hidden=64, layers=1, heads=2)

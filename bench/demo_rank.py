@@ -21,9 +21,9 @@ class DemoRank:
         from learner.synthetic import make_groups
         from learner.trainer import Trainer
         from tests.weight_receiver import ReceiverProcess
+        from tether.commands.tiny_model import make_tiny_model
         from tether.config.loader import load_config
         from tether.redis_server import free_port
-        from tether.tiny_model import make_tiny_model
         from weight_sync.sender import WeightSender
 
         model_dir = make_tiny_model(workdir / "model", hidden=64, layers=2, heads=2, seed=0)

@@ -116,7 +116,7 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         model = out / "tiny-model"
         if not (model / "config.json").exists():
-            from tether.tiny_model import make_tiny_model
+            from tether.commands.tiny_model import make_tiny_model
 
             make_tiny_model(model, hidden=64, layers=2, heads=2)
         modes = ("up", "separate", "all-cores") if args.all_cores else ("up", "separate")

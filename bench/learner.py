@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     from learner.synthetic import make_groups
     from learner.telemetry import peak_flops, train_flops
     from learner.trainer import Trainer
+    from tether.commands.tiny_model import make_tiny_model
     from tether.config import TetherConfig
     from tether.redis_server import free_port
-    from tether.tiny_model import make_tiny_model
 
     quick = args.quick
     steps = max(3, args.steps or (3 if quick else 6))

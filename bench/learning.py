@@ -196,11 +196,11 @@ def main() -> None:
         if model is None and not args.quick and (cached / "warm_start.json").exists():
             model = cached  # what `make demo-addition` made
         if model is None:
-            from tether.tiny_model import make_tiny_model
+            from tether.commands.tiny_model import make_tiny_model
 
             model = make_tiny_model(out / "model", hidden=128, layers=2, heads=4)
             if not args.quick:
-                from tether.warm_start import warm_start
+                from tether.commands.warm_start import warm_start
 
                 warm_start(model, task="addition")
         results: dict[int, list[dict]] = {m: [] for m in modes}

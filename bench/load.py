@@ -199,8 +199,8 @@ async def run(args: argparse.Namespace, address: str, pid: int) -> int:
 def main() -> int:
     args = parse()
     from rollout_server.launch import spawn_server
+    from tether.commands.tiny_model import make_tiny_model
     from tether.redis_server import EmbeddedRedis, free_port
-    from tether.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="tether-load-") as tmp:
         model = make_tiny_model(Path(tmp) / "model", hidden=128, layers=2, heads=4, seed=0)

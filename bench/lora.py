@@ -39,9 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     from learner.parallelize import load_actor, parallelize
     from learner.synthetic import make_groups
     from learner.trainer import Trainer
+    from tether.commands.tiny_model import make_tiny_model
     from tether.config import TetherConfig
     from tether.redis_server import free_port
-    from tether.tiny_model import make_tiny_model
     from weight_sync.buckets import plan_layout
 
     steps = max(3, args.steps or (3 if args.quick else 6))

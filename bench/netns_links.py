@@ -31,7 +31,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tether.supervisor import die_with_parent
+from tether.orphans import die_with_parent
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX = "tws-"

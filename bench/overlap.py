@@ -117,7 +117,7 @@ def main() -> None:
         args.steps, args.skip, args.batch, args.n, args.max_tokens, args.hidden, args.layers = 6, 2, 4, 4, 8, 64, 2
 
     repeats = max(3, args.repeats or 3)
-    from tether.tiny_model import make_tiny_model
+    from tether.commands.tiny_model import make_tiny_model
 
     pairs = []
     with tempfile.TemporaryDirectory(prefix="tether-overlap-") as tmp:

@@ -39,7 +39,7 @@ def _model(quick: bool, folder: Path):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
     from bench.weight_sync import model_kwargs
-    from tether.tiny_model import make_tiny_model
+    from tether.commands.tiny_model import make_tiny_model
 
     path = make_tiny_model(folder / "model", seed=0, **model_kwargs(quick))
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)

@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="tether-bench-"))
     model = args.model
     if not model:
-        from tether.tiny_model import make_tiny_model
+        from tether.commands.tiny_model import make_tiny_model
 
         hidden, layers = (int(x) for x in args.tiny.split("x"))
         model = str(make_tiny_model(tmp / "tiny", hidden=hidden, layers=layers, heads=4, seed=0))

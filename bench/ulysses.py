@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.multiprocessing as mp
 
+    from tether.commands.tiny_model import make_tiny_model
     from tether.redis_server import free_port
-    from tether.tiny_model import make_tiny_model
 
     tokens = args.tokens or (512 if args.quick else 8192)
     hidden, layers = (128, 2) if args.quick else (256, 4)

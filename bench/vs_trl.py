@@ -233,7 +233,7 @@ def main() -> None:
     if args.quick:
         args.seeds, args.steps, args.skip, args.sizes = 1, 6, 2, ["64x2"]
 
-    from tether.tiny_model import make_tiny_model
+    from tether.commands.tiny_model import make_tiny_model
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="tether-vs-trl-") as tmp:

@@ -368,8 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from tether.commands.tiny_model import make_tiny_model
     from tether.redis_server import free_port
-    from tether.tiny_model import make_tiny_model
     from weight_sync.versions import DEFAULT_CHUNK_BYTES, default_threads
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))

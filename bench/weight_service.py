@@ -595,7 +595,7 @@ def inner(args: argparse.Namespace) -> int:
     """Inside the learner host: Redis, the parts, the figures."""
     import torch
 
-    from tether.tiny_model import make_tiny_model
+    from tether.commands.tiny_model import make_tiny_model
 
     os.environ.update(ENV)
     torch.set_num_threads(max(1, os.cpu_count() or 1))

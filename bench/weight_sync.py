@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from tests.weight_receiver import ModelEngine
-    from tether.tiny_model import make_tiny_model
+    from tether.commands.tiny_model import make_tiny_model
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     figures = []

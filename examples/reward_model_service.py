@@ -38,7 +38,7 @@ def make_tiny_reward_model(out_dir: str | Path, *, hidden: int = 128, layers: in
     import torch
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    from tether.tiny_model import build_tokenizer
+    from tether.commands.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=hidden, intermediate_size=2 * hidden,

@@ -1,7 +1,7 @@
 """``groups.jsonl``: when and where each group the learner trained on was generated, one JSON line per group.
 
 The learner's own metrics say how long it waited and computed; they cannot say how fast the rollout side
-generated, which is the rate ``tether plan --from-run`` needs to replay a run (:mod:`tether.plan.calibrate`).
+generated, which is the rate ``tether plan --from-run`` needs to replay a run (:mod:`tether.commands.plan.calibrate`).
 Every trajectory carries its server id and the wall-clock start and end of its generation, so rank 0
 writes them here after the step that trained on them: the planner takes each server's busy time (the
 union of its groups' generation intervals) and tokens from these lines, and the completion lengths as

@@ -1,6 +1,6 @@
 """Rank 0's record of what the model generated, for ``tether view``: a bounded sample of the groups each
 logged step trained on, and the newest dead letters, in the run folder (files and caps:
-:mod:`tether.viewer.records`).
+:mod:`tether.records`).
 
 Each logged step (every ``learner.log_generations_every`` steps; the interval doubles each time the file is
 thinned to stay within ``learner.generations_max_mb``) writes ``learner.log_train_generations`` of the
@@ -50,9 +50,7 @@ from learner.advantages import assign_advantages, get_estimator
 from learner.batch import build_samples
 from tether.config import TetherConfig
 from tether.logs import get_logger
-from tether.trajectory import GroupData, TrajectoryData
-from tether.v1 import trajectory_pb2 as pb
-from tether.viewer.records import (
+from tether.records import (
     DEAD_LETTER_SHARE,
     DEAD_LETTERS,
     GENERATIONS,
@@ -60,6 +58,8 @@ from tether.viewer.records import (
     NewestFile,
     RecordTooLarge,
 )
+from tether.trajectory import GroupData, TrajectoryData
+from tether.v1 import trajectory_pb2 as pb
 
 log = get_logger(__name__)
 

@@ -116,7 +116,7 @@ def port() -> int:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2-style model with a byte-level tokenizer (head_dim 32, so vLLM's CPU build loads it)."""
-    from tether.tiny_model import make_tiny_model
+    from tether.commands.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), hidden=128, layers=2, heads=4, seed=0)
 

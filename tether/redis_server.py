@@ -26,7 +26,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from tether.logs import get_logger
-from tether.supervisor import die_with_parent
+from tether.orphans import die_with_parent
 
 log = get_logger(__name__)
 

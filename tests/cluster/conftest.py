@@ -21,7 +21,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def cluster_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo's tiny model (64 wide, 2 layers): the cluster tests are about the network, not the model."""
-    from tether.tiny_model import make_tiny_model
+    from tether.commands.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("cluster-model"), hidden=64, layers=2, heads=2, seed=0)
 

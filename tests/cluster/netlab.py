@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from tether.supervisor import die_with_parent
+from tether.orphans import die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = "tlab-"

@@ -11,8 +11,8 @@ import torch
 from tests.gpu.helpers import DEVICE
 from tests.integration.test_weight_sync_gloo import Fleet
 from tests.weight_receiver import ModelEngine
+from tether.commands.tiny_model import make_tiny_model
 from tether.config import TetherConfig
-from tether.tiny_model import make_tiny_model
 from weight_sync.sender import WeightSender
 from weight_sync.snapshot import latest_snapshot, read_snapshot
 

@@ -24,7 +24,7 @@ import yaml
 
 from buffer import RedisKeys, ServerRegistry, buffer_stats, read_version
 from tether.metrics import read_metrics
-from tether.supervisor import die_with_parent
+from tether.orphans import die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import alive, wait_gone
-from tether.supervisor import ChildFailed, ChildSpec, Supervisor
+from tether.commands.supervisor import ChildFailed, ChildSpec, Supervisor
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 # a child that starts a grandchild in its own process group, like torchrun's ranks

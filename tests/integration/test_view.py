@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tether.viewer.records import DEAD_LETTERS, GENERATIONS, read_records
+from tether.records import DEAD_LETTERS, GENERATIONS, read_records
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 5

@@ -90,7 +90,7 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
 @pytest.fixture(scope="module")
 def played(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> dict:
     pytest.importorskip("vllm")
-    from tether.tiny_model import make_tiny_model
+    from tether.commands.tiny_model import make_tiny_model
 
     tmp = tmp_path_factory.mktemp("vllm-update")
     learner_dir = make_tiny_model(tmp / "learner", hidden=128, layers=2, heads=4, seed=1)

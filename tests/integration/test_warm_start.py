@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tether.warm_start import heldout_accuracy
+from tether.commands.warm_start import heldout_accuracy
 
 pytestmark = pytest.mark.slow
 

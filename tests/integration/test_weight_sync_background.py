@@ -17,7 +17,7 @@ import torch
 
 from tests.integration.test_weight_sync_gloo import Fleet, _cfg, fleet  # noqa: F401 - the fixture
 from tests.weight_receiver import ModelEngine
-from tether.tiny_model import make_tiny_model
+from tether.commands.tiny_model import make_tiny_model
 from weight_sync.sender import WeightSender
 
 pytestmark = pytest.mark.timeout(120)

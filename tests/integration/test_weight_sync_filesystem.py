@@ -18,7 +18,7 @@ import torch
 from tests.integration.test_weight_sync_background import _gated
 from tests.integration.test_weight_sync_gloo import _cfg, fleet  # noqa: F401 - the fixture
 from tests.weight_receiver import ModelEngine
-from tether.tiny_model import make_tiny_model
+from tether.commands.tiny_model import make_tiny_model
 from weight_sync import snapshot as snapshot_module
 from weight_sync.sender import WeightSender
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tests.weight_receiver import ControlServicer, ModelEngine
+from tether.commands.tiny_model import make_tiny_model
 from tether.config import TetherConfig
-from tether.tiny_model import make_tiny_model
 from tether.v1 import control_pb2_grpc
 from weight_sync.collective import CollectiveReceive
 from weight_sync.receiver import WeightReceiver

@@ -135,8 +135,8 @@ def test_a_streamed_update_holds_at_most_two_buckets(monkeypatch: pytest.MonkeyP
 def test_a_float32_learner_publishes_bfloat16_buckets_over_gloo(tmp_path: Path, tiny_model_dir: Path) -> None:
     from tests.integration.test_weight_sync_gloo import Fleet
     from tests.weight_receiver import ModelEngine
+    from tether.commands.tiny_model import make_tiny_model
     from tether.config import TetherConfig
-    from tether.tiny_model import make_tiny_model
     from weight_sync.sender import WeightSender
 
     cfg = TetherConfig.model_validate(

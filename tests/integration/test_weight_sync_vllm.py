@@ -225,7 +225,7 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
 
 
 def test_vllm_receiver_loads_in_place(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from tether.tiny_model import make_tiny_model
+    from tether.commands.tiny_model import make_tiny_model
 
     learner_dir = make_tiny_model(tmp_path / "learner", hidden=128, layers=2, heads=4, seed=1)
     out = tmp_path / "result.json"

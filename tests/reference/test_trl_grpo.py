@@ -1,6 +1,6 @@
 """GRPO against TRL 1.16's ``GRPOTrainer``, its own code called on a real trainer.
 
-The trainer is a real ``GRPOTrainer`` (CPU, float32) on the tiny local model (``tether.tiny_model``: no
+The trainer is a real ``GRPOTrainer`` (CPU, float32) on the tiny local model (``tether.commands.tiny_model``: no
 downloads), built per configuration:
 
 - advantages: ``_generate_and_score_completions`` generates for 4 prompts x 4 samples and scores them with
@@ -62,7 +62,7 @@ EPS_LOW, EPS_HIGH = 0.2, 0.28
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tether.tiny_model import make_tiny_model
+    from tether.commands.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("trl-tiny"), hidden=64, layers=2, heads=2, seed=0)
 

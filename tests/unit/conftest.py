@@ -23,6 +23,6 @@ def one_rank() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tether.tiny_model import make_tiny_model
+    from tether.commands.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), hidden=64, layers=2, heads=2, seed=0)

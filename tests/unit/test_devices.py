@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from tether.commands.devices import count_gpus, plan_devices
 from tether.config import ConfigError, TetherConfig, load_config
-from tether.devices import count_gpus, plan_devices
 
 ROOT = Path(__file__).resolve().parents[2]
 

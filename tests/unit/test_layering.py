@@ -1,12 +1,15 @@
-"""The import graph flows one way: commands → processes → libraries → the shared core (issue 16).
+"""The import graph flows one way: the command line → processes → libraries → the shared core (issues 16, 35).
 
-Layers, lowest first:
+Layers, lowest first; a module belongs to the longest module tree of :data:`LAYER` that holds it:
 
-0. the shared core: ``tether`` (config, logging, metrics, generated protos, the trajectory type);
+0. the shared core, ``tether``: what every process needs — config, contracts (the trajectory type, the
+   generated protos, the run folder and its records), logging, metrics, spans and trackers, the embedded
+   Redis, the scorers and tasks;
 1. the libraries: ``buffer`` and ``weight_sync`` (each may use the core, never the other);
 2. the processes: ``learner`` and ``rollout_server`` (libraries and core, never each other);
-3. the operator's commands: ``tether.commands`` (the CLI, ``tether up``, status, console) and
-   ``python -m tether`` (``tether.__main__``), which may use all.
+3. the command line, ``tether.commands`` with its entry point ``tether.__main__`` (``python -m tether``):
+   the CLI, ``tether up`` and its supervisor, status, console, trace, the viewer's page, the planner, the
+   tiny-model maker and the warm start. It may use all; nothing below imports it.
 
 The test reads every module's imports with :mod:`ast` (module level and inside functions alike), so a lazy
 import cannot hide an upward edge.
@@ -27,16 +30,24 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-COMMANDS = "tether.commands"
-ENTRY_POINTS = {"tether.__main__"}  # ``python -m tether`` is the CLI
-LAYER = {"tether": 0, "buffer": 1, "weight_sync": 1, "learner": 2, "rollout_server": 2, COMMANDS: 3}
+TREES = {
+    "tether": "core",
+    "buffer": "buffer",
+    "weight_sync": "weight_sync",
+    "learner": "learner",
+    "rollout_server": "rollout_server",
+    "tether.commands": "command line",
+    "tether.__main__": "command line",
+}
+"""Each module tree and the unit it belongs to (the command line is two trees: its package and its entry)."""
+LAYER = {"core": 0, "buffer": 1, "weight_sync": 1, "learner": 2, "rollout_server": 2, "command line": 3}
 
 
 def _unit(module: str) -> str:
-    """The layer unit a dotted module name belongs to (``tether.commands`` is its own unit)."""
-    if module == COMMANDS or module.startswith(COMMANDS + ".") or module in ENTRY_POINTS:
-        return COMMANDS
-    return module.split(".")[0]
+    """The unit of the longest tree of :data:`TREES` that holds a dotted module name, or its top-level
+    package when none does (a third-party module)."""
+    trees = [t for t in TREES if module == t or module.startswith(t + ".")]
+    return TREES[max(trees, key=len)] if trees else module.split(".")[0]
 
 
 def _modules() -> list[tuple[str, Path]]:
@@ -90,6 +101,9 @@ def test_imports_flow_one_way():
         ("learner.main", "rollout_server.worker", True),
         ("learner.main", "tether.commands.launcher", True),
         ("tether.__main__", "tether.commands.cli", False),
+        ("tether.redis_server", "tether.commands.supervisor", True),
+        ("tether.records", "tether.commands.viewer.page", True),
+        ("tether.commands.plan.sim", "tether.config", False),
         ("tether.runs", "tether.commands.status", True),
         ("tether.commands.cli", "rollout_server.main", False),
         ("learner.main", "buffer.reader", False),

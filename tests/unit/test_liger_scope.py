@@ -16,7 +16,7 @@ import torch
 from transformers.models.qwen2 import modeling_qwen2
 
 from learner.parallelize import apply_liger
-from tether.tiny_model import make_tiny_model
+from tether.commands.tiny_model import make_tiny_model
 
 
 class _FakeLigerNorm(torch.nn.Module):

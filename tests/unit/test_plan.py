@@ -15,12 +15,12 @@ import yaml
 from buffer import BufferedGroup
 from learner.group_trace import GroupTrace
 from tether.commands.cli import main
+from tether.commands.plan.calibrate import _busy_seconds, read_run
+from tether.commands.plan.fleet import Fleet, Lengths
+from tether.commands.plan.project import project
+from tether.commands.plan.rates import DEFAULT_RATES, Rates, fleet_for, group_bytes, load_rates, with_weight_flags
+from tether.commands.plan.sim import Engine, simulate
 from tether.config import ConfigError, load_config
-from tether.plan.calibrate import _busy_seconds, read_run
-from tether.plan.fleet import Fleet, Lengths
-from tether.plan.project import project
-from tether.plan.rates import DEFAULT_RATES, Rates, fleet_for, group_bytes, load_rates, with_weight_flags
-from tether.plan.sim import Engine, simulate
 from tether.trajectory import GroupData, TrajectoryData
 
 RATES_DIR = DEFAULT_RATES.parent

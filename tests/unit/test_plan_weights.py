@@ -1,4 +1,4 @@
-"""The planner's weight path (tether/plan/weights.py): the pull tree against the parent rule it is defined
+"""The planner's weight path (tether/commands/plan/weights.py): the pull tree against the parent rule it is defined
 by, pull time against push as the fleet grows, the bytes each side sends, today's figure kept bit for bit,
 and bad values refused by name, from a flag or a rates file."""
 
@@ -14,9 +14,8 @@ import pytest
 import yaml
 
 from tether.commands.cli import main
-from tether.config import ConfigError, load_config
-from tether.plan.rates import DEFAULT_RATES, Rates, fleet_for, load_rates, weight_path, with_weight_flags
-from tether.plan.weights import (
+from tether.commands.plan.rates import DEFAULT_RATES, Rates, fleet_for, load_rates, weight_path, with_weight_flags
+from tether.commands.plan.weights import (
     DECODE_GB_PER_S,
     ENCODE_GB_PER_S,
     MEASURED_DELTA_RATIO,
@@ -27,6 +26,7 @@ from tether.plan.weights import (
     tree_levels,
     tree_parent,
 )
+from tether.config import ConfigError, load_config
 
 RATES_DIR = DEFAULT_RATES.parent
 FULL = 15.2e9  # a 7.6B policy's bf16 bytes

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tether.tiny_model import SPECIAL_TOKENS, build_tokenizer
+from tether.commands.tiny_model import SPECIAL_TOKENS, build_tokenizer
 
 TOKENIZER = build_tokenizer()
 _SPECIAL = re.compile("(" + "|".join(map(re.escape, SPECIAL_TOKENS)) + ")")

@@ -73,7 +73,7 @@ def test_no_spans_says_so(tmp_path: Path, capsys) -> None:  # type: ignore[no-un
 def test_the_timeline_page_draws_a_bar_per_span_nested_under_its_parent(tmp_path: Path) -> None:
     import re
 
-    from tether.viewer.timeline import timeline_html
+    from tether.commands.viewer.timeline import timeline_html
 
     folder = tmp_path / "run" / "spans"
     t0 = 1_700_000_000.0

@@ -13,16 +13,16 @@ import pytest
 import yaml
 
 from tether.commands.cli import main
-from tether.viewer.page import build_page, run_data
-from tether.viewer.records import DEAD_LETTERS, GENERATIONS, GenerationsFile, NewestFile
-from tether.viewer.tokens import find_decoder
+from tether.commands.viewer.page import build_page, run_data
+from tether.commands.viewer.tokens import find_decoder
+from tether.records import DEAD_LETTERS, GENERATIONS, GenerationsFile, NewestFile
 
 HOSTILE = "</script><script>alert(1)</script>"
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tether.tiny_model import build_tokenizer
+    from tether.commands.tiny_model import build_tokenizer
 
     out = tmp_path_factory.mktemp("project") / "tok"
     build_tokenizer().save_pretrained(out)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tether.viewer.records import GenerationsFile, NewestFile, RecordTooLarge, read_records
+from tether.records import GenerationsFile, NewestFile, RecordTooLarge, read_records
 
 
 def _steps(path: Path) -> list[int]:

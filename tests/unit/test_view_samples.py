@@ -17,8 +17,8 @@ from learner.data import PromptSource
 from learner.samples import DEAD_TOKENS, GenerationLog, spread
 from learner.synthetic import make_groups
 from tether.config import load_config
+from tether.records import DEAD_LETTERS, GENERATIONS, read_records
 from tether.v1.trajectory_pb2 import FINISH_REASON_ABORTED, Prompt
-from tether.viewer.records import DEAD_LETTERS, GENERATIONS, read_records
 
 
 def _cfg(*overrides: str):

@@ -22,9 +22,9 @@ from rollout_server.control import load_receiver
 from rollout_server.engines import Chunk, Engine, SamplingSpec
 from rollout_server.engines.base import Engine as BaseEngine
 from tests.weight_receiver import ModelEngine
+from tether.commands.tiny_model import make_tiny_model
 from tether.config import TetherConfig
 from tether.config.rollout import EngineConfig
-from tether.tiny_model import make_tiny_model
 from tether.v1 import control_pb2
 from weight_sync.inbox import LocalDelivery
 from weight_sync.loading import LoadResult, Tally

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.weight_receiver import ModelEngine
+from tether.commands.tiny_model import make_tiny_model
 from tether.config import TetherConfig
-from tether.tiny_model import make_tiny_model
 from tether.v1 import control_pb2
 from weight_sync.inbox import LocalDelivery
 from weight_sync.loading import Tally

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from tests.weight_receiver import ModelEngine
+from tether.commands.tiny_model import make_tiny_model
 from tether.config import TetherConfig
 from tether.redis_server import free_port
-from tether.tiny_model import make_tiny_model
 from tether.v1 import control_pb2
 from weight_sync.receiver import WeightReceiver, WeightSyncError
 from weight_sync.sender import WeightSender

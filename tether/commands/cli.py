@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("config", help="validate a config and print it resolved")
     _add_config(show)
 
-    from tether.plan.cli import add_parser as add_plan
+    from tether.commands.plan.cli import add_parser as add_plan
 
     add_plan(sub)
 
@@ -204,7 +204,7 @@ def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
-    from tether.plan.cli import cmd_plan as run_plan
+    from tether.commands.plan.cli import cmd_plan as run_plan
 
     return run_plan(args, overrides)
 
@@ -232,8 +232,8 @@ def cmd_make_tiny_model(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"make-tiny-model: unexpected arguments {' '.join(overrides)}")
     if args.hidden // args.heads < 32:
         print(f"warning: head_dim {args.hidden // args.heads} < 32; vLLM's CPU attention needs >= 32", file=sys.stderr)
-    from tether.tiny_model import make_tiny_model
-    from tether.warm_start import WARM_START_TASKS
+    from tether.commands.tiny_model import make_tiny_model
+    from tether.commands.warm_start import WARM_START_TASKS
 
     if args.warm_start is not None and args.warm_start not in WARM_START_TASKS:
         raise ConfigError(f"--warm-start: unknown task {args.warm_start!r}; known: {', '.join(WARM_START_TASKS)}")
@@ -254,7 +254,7 @@ def cmd_make_tiny_model(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"make-tiny-model: {e}") from None
     print(f"wrote a tiny model to {out}")
     if args.warm_start:
-        from tether.warm_start import warm_start
+        from tether.commands.warm_start import warm_start
 
         try:
             acc = warm_start(out, task=args.warm_start, steps=args.warm_start_steps, target=args.warm_start_target,

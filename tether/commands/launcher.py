@@ -22,13 +22,13 @@ import sys
 import time
 from pathlib import Path
 
+from tether.commands.devices import count_gpus, plan_devices
+from tether.commands.supervisor import ChildFailed, ChildSpec, Supervisor
 from tether.config import ConfigError, TetherConfig, save_resolved
-from tether.devices import count_gpus, plan_devices
 from tether.logs import get_logger, setup_logging
 from tether.plots import write_plot
 from tether.resources import thread_env
 from tether.runs import RunPaths, gave_up, new_run_id, run_paths
-from tether.supervisor import ChildFailed, ChildSpec, Supervisor
 
 log = get_logger(__name__)
 

@@ -42,7 +42,7 @@ def cmd_trace(args: argparse.Namespace, overrides: list[str]) -> int:
     print(f"wrote {meta['spans']} spans of {len(meta['processes'])} processes ({', '.join(meta['processes'])}) "
           f"to {out} — open it in https://ui.perfetto.dev or chrome://tracing")  # fmt: skip
     if args.html:
-        from tether.viewer.timeline import timeline_html
+        from tether.commands.viewer.timeline import timeline_html
 
         Path(args.html).write_text(timeline_html(trace, title=f"tether trace · {run.name}", window_s=args.window_s))
         print(f"wrote the timeline page {args.html}")

@@ -7,7 +7,7 @@
 The page shows what the learner keeps of the run (``learner.log_train_generations`` groups of each logged
 step, and the newest dead letters: :mod:`learner.samples`): each prompt and completion with its tokens
 coloured by policy version or log-prob, reward, advantage, staleness, server, and the dead-lettered groups
-with their reason; filters by step, reward and data source (:mod:`tether.viewer.page`). Token ids are
+with their reason; filters by step, reward and data source (:mod:`tether.commands.viewer.page`). Token ids are
 decoded with the run's tokenizer (``model.path`` of its ``config.yaml``; ``--tokenizer DIR`` otherwise). The
 server only listens on 127.0.0.1 and builds the page again when the run's files change, so a page
 reloaded during a run shows its newest steps. Nothing is fetched from the network, by the server or the
@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 
 from tether.config import ConfigError
-from tether.viewer.records import DEAD_LETTERS, GENERATIONS
+from tether.records import DEAD_LETTERS, GENERATIONS
 
 HOST = "127.0.0.1"
 
@@ -82,7 +82,7 @@ class Page:
         return tuple(out)
 
     def html(self) -> str:
-        from tether.viewer.page import build_page
+        from tether.commands.viewer.page import build_page
 
         with self._lock:
             key = self._files_key()

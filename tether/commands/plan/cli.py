@@ -8,7 +8,7 @@
 ``--rates FILE`` picks the rates (default ``configs/rates/h100-7b.yaml``); dotted overrides
 (``--algorithm.max_staleness 2``) change the config as everywhere else. The weight path's flags
 (``--delta-ratio``, ``--fanout``, ``--base-every``, ``--encode-gb-per-s``, ``--decode-gb-per-s``,
-``--codec-cores``) replace the rates file's ``weight_sync`` fields of those names (:mod:`tether.plan.weights`).
+``--codec-cores``) replace the rates file's ``weight_sync`` fields of those names (:mod:`tether.commands.plan.weights`).
 ``--json FILE`` also writes the figures as JSON. Nothing here imports torch.
 """
 
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 from tether.config import ConfigError, load_config
 
 if TYPE_CHECKING:
-    from tether.plan.project import Projection
-    from tether.plan.weights import SyncCost
+    from tether.commands.plan.project import Projection
+    from tether.commands.plan.weights import SyncCost
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -82,7 +82,7 @@ def _fanout(text: str) -> int:
 
 
 def _weight_flags(args: argparse.Namespace) -> dict:
-    from tether.plan.rates import WEIGHT_FLAGS
+    from tether.commands.plan.rates import WEIGHT_FLAGS
 
     return {name: getattr(args, name) for name in WEIGHT_FLAGS if getattr(args, name) is not None}
 
@@ -111,7 +111,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
                 f"--from-run replays the run's measured weight syncs; leave out "
                 f"{', '.join('--' + k.replace('_', '-') for k in _weight_flags(args))}"
             )
-        from tether.plan.calibrate import calibrate, report
+        from tether.commands.plan.calibrate import calibrate, report
 
         cal = calibrate(args.from_run)
         print(report(cal))
@@ -130,8 +130,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
 
     cfg = load_config(args.config, overrides)
-    from tether.plan.project import best_split, describe, project, sweep, sweep_plot, sweep_table
-    from tether.plan.rates import load_rates, weight_path, with_weight_flags
+    from tether.commands.plan.project import best_split, describe, project, sweep, sweep_plot, sweep_table
+    from tether.commands.plan.rates import load_rates, weight_path, with_weight_flags
 
     rates = with_weight_flags(load_rates(args.rates), **_weight_flags(args))
     print(f"rates: {rates.setting} ({args.rates or 'configs/rates/h100-7b.yaml'}; sources in the file)")

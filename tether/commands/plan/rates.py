@@ -1,12 +1,12 @@
 """A rates file (``configs/rates/*.yaml``): what one GPU of each side does, with the sources it came from.
 
-The planner turns a config, a GPU split and these rates into a :class:`tether.plan.fleet.Fleet`:
+The planner turns a config, a GPU split and these rates into a :class:`tether.commands.plan.fleet.Fleet`:
 rollout engines of ``tensor_parallel_size`` GPUs each decode ``tokens_per_s`` together (at most
 ``seq_tokens_per_s`` per sequence), each taking the groups tether's ``prompt_workers`` default gives it
 (the step's prompts times ``max_staleness + 1`` over the servers, at most ``max_num_seqs // n``); the learner's
 tokens/s grows with its GPUs times ``scaling_efficiency``; a weight update moves the bf16 weights at
 ``weight_sync.gb_per_s`` after a fixed handshake — pushed from the learner, or pulled by the fleet as deltas
-(:mod:`tether.plan.weights`; the ``weight_sync`` fields past ``latency_s``, each also a ``tether plan`` flag).
+(:mod:`tether.commands.plan.weights`; the ``weight_sync`` fields past ``latency_s``, each also a ``tether plan`` flag).
 Every field is an input the user can replace with a figure measured on their own hardware
 (``tether plan --from-run`` shows how to read them off a run).
 """
@@ -18,14 +18,14 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError, field_validator
 
+from tether.commands.plan import weights
+from tether.commands.plan.fleet import Fleet, Lengths
+from tether.commands.plan.weights import WeightPath, sync_cost
 from tether.config import ConfigError, TetherConfig
 from tether.config.base import Section
-from tether.plan import weights
-from tether.plan.fleet import Fleet, Lengths
-from tether.plan.weights import WeightPath, sync_cost
 from tether.resources import prompt_workers
 
-DEFAULT_RATES = Path(__file__).resolve().parents[2] / "configs" / "rates" / "h100-7b.yaml"
+DEFAULT_RATES = Path(__file__).resolve().parents[3] / "configs" / "rates" / "h100-7b.yaml"
 
 # Bytes per token in a trajectory group payload: int32 prompt ids; int32 ids, float32 log-prob, int32
 # version and uint8 mask per completion token (tether/trajectory.py's dtypes); plus a per-sample allowance

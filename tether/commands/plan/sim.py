@@ -14,7 +14,7 @@ It follows the real processes step by step, so a prediction differs from a run o
   transfer (their tokens then carry the new version, the oldest still the old one); ``drain`` first lets
   in-flight groups finish, and the learner waits for that before the transfer.
 
-Figures are taken after ``warmup`` steps, as :mod:`tether.plan.calibrate` measures a run.
+Figures are taken after ``warmup`` steps, as :mod:`tether.commands.plan.calibrate` measures a run.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from tether.plan.fleet import Fleet
+from tether.commands.plan.fleet import Fleet
 
 _EPS = 1e-9
 

@@ -1,11 +1,11 @@
 """Projections: one GPU split, the best split of a GPU budget, and a sweep over splits and staleness.
 
-Each projection simulates the config's protocol (:mod:`tether.plan.sim`) on the fleet a rates file
-gives (:func:`tether.plan.rates.fleet_for`) and adds what the simulation implies for Redis: trajectory
+Each projection simulates the config's protocol (:mod:`tether.commands.plan.sim`) on the fleet a rates file
+gives (:func:`tether.commands.plan.rates.fleet_for`) and adds what the simulation implies for Redis: trajectory
 bytes/s (payload, one pass) against one Redis's measured put → read → ack throughput, and the stream's
 memory at its fullest. Past that throughput one Redis is the bottleneck; the planner says so (sharding
 the trajectories stream is not built, see docs/PLANNER.md). The weight-sync line sets the update the
-simulation charges (the rates' weight path, :mod:`tether.plan.weights`) beside today's full push of the same
+simulation charges (the rates' weight path, :mod:`tether.commands.plan.weights`) beside today's full push of the same
 weights over the same link, so the difference the weight service makes at this fleet size is on the page.
 """
 
@@ -15,11 +15,11 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from tether.commands.plan.fleet import Fleet
+from tether.commands.plan.rates import Rates, fleet_for, full_bytes, group_bytes, weight_path
+from tether.commands.plan.sim import SimResult, simulate_mean
+from tether.commands.plan.weights import SyncCost, full_push, pull_of, sync_cost
 from tether.config import TetherConfig
-from tether.plan.fleet import Fleet
-from tether.plan.rates import Rates, fleet_for, full_bytes, group_bytes, weight_path
-from tether.plan.sim import SimResult, simulate_mean
-from tether.plan.weights import SyncCost, full_push, pull_of, sync_cost
 
 GROUPS_SIMULATED = 3000
 """Groups to simulate per projection after warm-up (at least 6 steps, at most 30): enough for a steady

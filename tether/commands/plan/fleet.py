@@ -1,8 +1,9 @@
 """What the simulator is told: the protocol's knobs and the rate of each component.
 
-:class:`Fleet` is everything :mod:`tether.plan.sim` needs, whether it came from a finished run
-(:mod:`tether.plan.calibrate`) or from a rates file and a GPU split (:mod:`tether.plan.rates`). The knobs
-keep tether's config names (``train_batch_size``, ``n``, ``max_staleness``, ``sync_every``, ``inflight``);
+:class:`Fleet` is everything :mod:`tether.commands.plan.sim` needs, whether it came from a finished run
+(:mod:`tether.commands.plan.calibrate`) or from a rates file and a GPU split
+(:mod:`tether.commands.plan.rates`). The knobs keep tether's config names (``train_batch_size``, ``n``,
+``max_staleness``, ``sync_every``, ``inflight``);
 the rates are the three a user can measure on one machine: a rollout server's decode throughput, the
 learner's time per step, and one weight update's time.
 

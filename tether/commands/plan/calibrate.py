@@ -25,10 +25,10 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from tether.commands.plan.fleet import Fleet, Lengths
+from tether.commands.plan.sim import SimResult, simulate_mean
 from tether.config import ConfigError, load_config
 from tether.metrics import read_metrics
-from tether.plan.fleet import Fleet, Lengths
-from tether.plan.sim import SimResult, simulate_mean
 from tether.resources import prompt_workers
 
 WARMUP = 1

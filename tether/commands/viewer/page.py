@@ -3,9 +3,9 @@ opens offline, from a file or from ``tether view``'s server alike).
 
 :func:`run_data` reads the run folder — the sampled groups (``generations.jsonl``), the dead letters
 (``dead_letters.jsonl``), the dead-letter counters of ``buffer_stats.json`` — and decodes token ids with
-the run's tokenizer (:mod:`tether.viewer.tokens`): each prompt as text, and a table of the text of every
+the run's tokenizer (:mod:`tether.commands.viewer.tokens`): each prompt as text, and a table of the text of every
 distinct completion token, which the page looks tokens up in. :func:`render` puts it in the page; the
-page's script (:mod:`tether.viewer.page_script`) draws the groups, the filters (step, reward, data source)
+page's script (:mod:`tether.commands.viewer.page_script`) draws the groups, the filters (step, reward, data source)
 and the colouring (policy version or behaviour log-prob), and keeps them in the URL fragment
 (``#step=3&source=gsm8k&rmin=0.5&color=logprob``), so a link opens on the same view.
 """
@@ -18,9 +18,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tether.viewer.page_script import SCRIPT
-from tether.viewer.records import DEAD_LETTERS, GENERATIONS, read_records
-from tether.viewer.tokens import Decoder, find_decoder, model_path
+from tether.commands.viewer.page_script import SCRIPT
+from tether.commands.viewer.tokens import Decoder, find_decoder, model_path
+from tether.records import DEAD_LETTERS, GENERATIONS, read_records
 
 
 def _ids(rec: dict, key: str) -> list[int]:

@@ -1,4 +1,4 @@
-"""The viewer's two files in a run folder, each with a hard cap on its size.
+"""The run folder's sampled records for the viewer (`tether view`): two files, each with a hard cap on its size.
 
     runs/<id>/generations.jsonl   a sample of the groups the learner trained on: one JSON line per group
     runs/<id>/dead_letters.jsonl  the newest dead-lettered groups and prompts, with their reasons

@@ -13,7 +13,6 @@ ends the group at once, with that reason.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tether.logs import get_logger
+from tether.orphans import die_with_parent
 
 log = get_logger(__name__)
 
@@ -49,16 +49,6 @@ class Child:
     proc: subprocess.Popen[bytes]
     restarts: int = 0
     restart_at: float | None = None  # when a dead child is due to start again
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """For ``preexec_fn`` (runs in the child between fork and exec): the kernel sends ``sig`` to the child
-    when its parent dies, however it dies. Linux only; elsewhere a no-op."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
 
 
 class ChildFailed(RuntimeError):
