@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from learner.packing import Sample
+from learner.registry import lookup
 from tether.config.adv_estimator import AdvEstimatorSpec, declare_adv_estimator
 from tether.config.algorithm import AlgorithmConfig
 
@@ -88,14 +89,8 @@ def register_adv_est(
 
 
 def get_estimator(name: str) -> Estimator:
-    try:
-        return ESTIMATORS[name]
-    except KeyError:
-        known = ", ".join(sorted(ESTIMATORS))
-        raise ValueError(
-            f"algorithm.adv_estimator: no estimator function for {name!r} (known: {known}) — decorate one with "
-            f"@register_adv_est({name!r}) in a module the learner imports"
-        ) from None
+    return lookup(ESTIMATORS, name, key="algorithm.adv_estimator", what="estimator function",
+                  decorator="register_adv_est")  # fmt: skip
 
 
 # ----- helpers (verl's masked statistics)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from learner.registry import lookup
 from tether.config.algorithm import AlgorithmConfig
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -264,11 +265,5 @@ register_policy_loss("vanilla")(policy_loss)
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
-    try:
-        return POLICY_LOSSES[name]
-    except KeyError:
-        known = ", ".join(sorted(POLICY_LOSSES))
-        raise ValueError(
-            f"algorithm.policy_loss.loss_mode: no loss function for {name!r} (known: {known}) — decorate one "
-            f"with @register_policy_loss({name!r}) in a module the learner imports"
-        ) from None
+    return lookup(POLICY_LOSSES, name, key="algorithm.policy_loss.loss_mode", what="loss function",
+                  decorator="register_policy_loss")  # fmt: skip
