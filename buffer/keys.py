@@ -96,6 +96,12 @@ class RedisKeys:
         return self.prefix + "run_end"
 
     @property
+    def run_config(self) -> str:
+        """The run's config as JSON (secrets and host-bound settings left out), published by the learner at
+        start: a rollout fleet serving several runs (``tether rollout --runs``) serves each with its own."""
+        return self.prefix + "run_config"
+
+    @property
     def learner(self) -> str:
         """Hash the learner publishes for dashboards: ``step``, ``reward_mean``, ``tokens_per_s``, ..."""
         return self.prefix + "learner"

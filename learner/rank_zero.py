@@ -20,6 +20,7 @@ from buffer import publish_version, read_version
 from buffer.health import clear_run_end, publish_run_end
 from buffer.keys import RedisKeys
 from buffer.ledger import LedgerSnapshot, take_snapshot, write_books
+from buffer.run_config import publish_run_config
 from learner.checkpoint import TrainState, checkpoint_step, latest_checkpoint
 from learner.feed import CannotTrain, DataTimeout, Feed
 from learner.group_trace import GroupTrace
@@ -73,6 +74,7 @@ class RankZero:
                          ledger=LedgerSnapshot.from_json(state.ledger))  # fmt: skip
         self.keys = self.feed.keys
         clear_run_end(self.client, self.keys)  # a resumed run is not over, whatever a lifetime before published
+        publish_run_config(self.client, self.keys, cfg.model_dump(mode="json"))  # for fleets serving several runs
         lc = cfg.learner
         self.live = LiveStatus(client=self.client, key=self.keys.learner, port=lc.metrics_port,
                                total_steps=lc.total_steps, start_step=state.step)  # fmt: skip

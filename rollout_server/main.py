@@ -16,11 +16,15 @@ import contextlib
 import signal
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from tether import spans
 from tether.config import TetherConfig
 from tether.logs import get_logger, setup_logging
 from tether.redis_server import free_port
+
+if TYPE_CHECKING:
+    from rollout_server.shares import ShareGate
 
 log = get_logger(__name__)
 
@@ -49,7 +53,20 @@ def run(cfg: TetherConfig) -> int:
         spans.stop()
 
 
-async def serve(cfg: TetherConfig, *, port: int, server_id: str, stop: asyncio.Event | None = None) -> int:
+async def serve(
+    cfg: TetherConfig,
+    *,
+    port: int,
+    server_id: str,
+    stop: asyncio.Event | None = None,
+    gate: ShareGate | None = None,
+    loading: asyncio.Lock | None = None,
+) -> int:
+    """Serve one run until ``stop`` (SIGTERM / Ctrl-C when None). A fleet serving several runs in this
+    process (``rollout_server.fleet``) passes its fair-share ``gate``, which this run's generations pass,
+    and its ``loading`` lock: its engines load one at a time (two at once doubles the peak memory, and
+    transformers' lazy imports are not safe on two threads: one slot got ``cannot import name
+    'AutoModelForCausalLM'``)."""
     from rollout_server.control import ControlServicer
     from rollout_server.engines import build_engine
     from rollout_server.episodes import EpisodeStore
@@ -71,8 +88,9 @@ async def serve(cfg: TetherConfig, *, port: int, server_id: str, stop: asyncio.E
 
     engine = build_engine(cfg)
     log.info("engine_loading", engine=engine.name, model=cfg.model.path)
-    await engine.start()
-    state = ServerState(cfg, engine, server_id, ServerMetrics(server_id))
+    async with loading or contextlib.nullcontext():
+        await engine.start()
+    state = ServerState(cfg, engine, server_id, ServerMetrics(server_id), share_gate=gate)
     state.metrics.watch_engine(engine.step_counts)
     state.sink = _connect_sink(cfg, server_id)
     control = ControlServicer(state)

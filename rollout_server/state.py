@@ -19,6 +19,7 @@ import grpc
 from rollout_server.engines import Engine
 from rollout_server.engines.base import EngineRejected
 from rollout_server.metrics import ServerMetrics
+from rollout_server.shares import ShareGate
 from rollout_server.sink import BufferSink
 from rollout_server.validation import BadRequest
 from tether.config import TetherConfig
@@ -38,6 +39,9 @@ class ServerState:
     draining: bool = False
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    share_gate: ShareGate | None = None
+    """On a fleet serving several runs: the process's fair-share gate each generation of the prompt worker
+    passes (``rollout.share``); None for a server of one run."""
 
     def __post_init__(self) -> None:
         self.idle.set()

@@ -22,6 +22,7 @@ import redis
 from rollout_server.engines.base import SamplingSpec
 from rollout_server.evaluator import Evaluator
 from rollout_server.rewards import RewardError, ScoreItem, build_reward
+from rollout_server.shares import Turn
 from rollout_server.state import ServerState
 from rollout_server.trajectories import build_trajectory
 from rollout_server.validation import BadRequest, check_length, encode
@@ -95,7 +96,10 @@ class PromptWorker:
         )
         started = time.time()
         with spans.span("generate", group=group_id, n=spec.n):
-            samples = await e.generate(ids, spec, request_id=f"{group_id}-{time.monotonic_ns()}")
+            async with self._turn() as turn:  # a fleet of several runs: this run's share of the generation
+                samples = await e.generate(ids, spec, request_id=f"{group_id}-{time.monotonic_ns()}")
+                if turn is not None:
+                    turn.spend(sum(len(x.token_ids) for x in samples))
         s.metrics.add_tokens(sum(len(x.token_ids) for x in samples))
         items = [
             ScoreItem(prompt.text, x.text, ids, x.token_ids, prompt.reward_context, f"{group_id}-{i}")
@@ -150,6 +154,14 @@ class PromptWorker:
         for t, (reward, components) in zip(trajectories, scores, strict=True):
             t.reward, t.reward_components = float(reward), components
         await self._put(entry_id, group)
+
+    def _turn(self) -> contextlib.AbstractAsyncContextManager[Turn | None]:
+        """The generation's turn at the fleet's fair-share gate: only the generation waits for it (scoring
+        and a put waiting for room never hold a turn another run could use). A server of one run: at once."""
+        gate = self.state.share_gate
+        if gate is None:
+            return contextlib.nullcontext(None)
+        return gate.turn(self.state.cfg.run.run_id or "")
 
     async def _put(self, entry_id: str, group: GroupData) -> None:
         from buffer import BufferFull

@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="exit once the learner has finished the run (same as --rollout.exit_when_run_ends true)",
     )
+    rollout.add_argument(
+        "--runs",
+        default="",
+        help="serve several runs from this one process (comma-separated run ids; each with its own config as "
+        "its learner publishes it, and its rollout.share of the generation); docs/FLEETS.md",
+    )
 
     status = sub.add_parser("status", help="show versions, buffer, servers and throughput of a run")
     _add_config(status)
@@ -167,7 +173,9 @@ def cmd_rollout(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.exit_when_run_ends:
         overrides = [*overrides, "--rollout.exit_when_run_ends", "true"]
     cfg = _load(args, overrides)
-    _require_run_id(cfg)
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    if not runs:
+        _require_run_id(cfg)
     _split_threads(cfg, "rollout")  # before torch is imported: it reads OMP_NUM_THREADS once
     from tether.commands.launcher import check_redis
 
@@ -175,6 +183,10 @@ def cmd_rollout(args: argparse.Namespace, overrides: list[str]) -> int:
         check_redis(cfg)
     except ConfigError as e:
         print(f"tether: warning: {e} (the server starts anyway and retries)", file=sys.stderr)
+    if runs:
+        from rollout_server.fleet import run_fleet
+
+        return run_fleet(cfg, runs)
     from rollout_server.main import run
 
     return run(cfg)

@@ -222,6 +222,11 @@ class RolloutConfig(Section):
             )
         return value
 
+    share: float = Field(default=1.0, gt=0)
+    """This run's weight on a rollout fleet that serves several runs (``tether rollout --runs a,b``): under
+    contention the fleet gives runs generated tokens in proportion to their shares; an idle run's share goes
+    to the others. Unused by a server of one run."""
+
     exit_when_run_ends: bool = False
     """Exit (code 0, after a drain) once the learner has published that the run finished; off: stay up
     and idle (right for servers a Deployment would restart). ``tether rollout --exit-when-run-ends``."""

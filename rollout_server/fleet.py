@@ -1,0 +1,153 @@
+"""One rollout process serving several runs at once: ``tether rollout --runs a,b --config fleet.yaml``.
+
+Each run gets a slot that is, to that run, one of its rollout servers (:func:`rollout_server.main.serve`):
+its own engine holding its own copy of the weights (full fine-tuning), its own gRPC port and registry entry
+under the run's keys, its prompt worker, its weight updates. A slot is configured by the run's published
+config (:mod:`buffer.run_config`: the run's model, sampling, reward, tasks, weight transport and share) with
+the fleet's own engine, network, credentials and Redis. Prompts are admitted by each run's learner under
+that run's ``max_staleness`` and version, as for any server of the run; trajectories go to the run's
+stream with the run's policy versions; a run's weight update loads into its slot's engine only.
+
+The slots share the process's cores (or GPU) through one fair-share gate (:mod:`rollout_server.shares`):
+at most ``rollout.prompt_workers`` generations of the fleet config run at once, and under contention each
+run gets generated tokens in proportion to its ``rollout.share``; a run with nothing to generate gives
+its share to the others.
+
+Isolation: a slot that fails (its model does not load, its engine dies) is logged and its share freed;
+the others go on. A slot whose run ends stops (``rollout.exit_when_run_ends`` of the fleet config) or idles.
+A slot waits for its run's learner to publish the config, so the fleet may start first. SIGTERM drains
+every slot; the process exits 0 when every slot ended cleanly, 1 when one failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+
+from buffer.keys import RedisKeys
+from buffer.run_config import read_run_config
+from rollout_server.main import resolve_identity, serve
+from rollout_server.shares import ShareGate
+from tether.config import TetherConfig
+from tether.logs import get_logger, setup_logging
+from tether.redis_server import connect_redis
+
+log = get_logger(__name__)
+
+DEFAULT_CAPACITY = 4
+"""Generations at once across the fleet's runs when the fleet config leaves ``rollout.prompt_workers`` empty."""
+
+FLEET_ROLLOUT_KEYS = (
+    "engine",
+    "host",
+    "auth_token",
+    "tls_cert",
+    "tls_key",
+    "heartbeat_s",
+    "drain_timeout_s",
+    "exit_when_run_ends",
+    "max_concurrent_requests",
+    "max_message_bytes",
+    "episode_idle_timeout_s",
+)
+"""The ``rollout`` keys a slot takes from the fleet's config (the machine's): every other key is the run's."""
+
+
+def slot_config(fleet: TetherConfig, run_id: str, published: dict) -> TetherConfig:
+    """The config one run's slot serves with: the run's published config, with the fleet's Redis, engine,
+    network and credentials (:data:`FLEET_ROLLOUT_KEYS`), a free port and no metrics endpoint of its own."""
+    body = {k: dict(v) if isinstance(v, dict) else v for k, v in published.items()}
+    mine = fleet.model_dump(mode="json")
+    body.setdefault("run", {})["run_id"] = run_id
+    body.setdefault("buffer", {})["redis_url"] = fleet.buffer.redis_url
+    rollout = body.setdefault("rollout", {})
+    for key in FLEET_ROLLOUT_KEYS:
+        rollout[key] = mine["rollout"][key]
+    rollout.update(port=0, server_id="", metrics_port=None)
+    try:
+        return TetherConfig.model_validate(body)
+    except ValueError as e:
+        raise ValueError(f"run {run_id!r}: its published config does not load here: {e}") from None
+
+
+def capacity(fleet: TetherConfig) -> int:
+    return fleet.rollout.prompt_workers or DEFAULT_CAPACITY
+
+
+async def serve_runs(fleet: TetherConfig, run_ids: list[str], *, stop: asyncio.Event | None = None) -> int:
+    """Serve ``run_ids`` until ``stop`` (SIGTERM / Ctrl-C when None) or until every slot has ended."""
+    if not run_ids or len(set(run_ids)) != len(run_ids):
+        raise ValueError(f"--runs: distinct run ids expected, got {run_ids!r}")
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+    client = connect_redis(fleet.buffer.redis_url)
+    gate, loading, shares = ShareGate(capacity(fleet)), asyncio.Lock(), {}
+    slots = {run: asyncio.Event() for run in run_ids}  # each slot's own stop: a run that ends stops its slot only
+
+    async def forward_stop() -> None:
+        await stop.wait()
+        for event in slots.values():
+            event.set()
+
+    forwarder = asyncio.create_task(forward_stop())
+    log.info("fleet_started", runs=run_ids, capacity=gate.capacity)
+    try:
+        codes = await asyncio.gather(*(_slot(fleet, run, client, gate, loading, slots[run], shares) for run in run_ids))
+    finally:
+        forwarder.cancel()
+        client.close()
+    log.info("fleet_stopped", codes=dict(zip(run_ids, codes, strict=True)), shares=shares)
+    return 0 if all(code == 0 for code in codes) else 1
+
+
+async def _slot(  # type: ignore[no-untyped-def]
+    fleet: TetherConfig, run_id: str, client, gate: ShareGate, loading: asyncio.Lock, stop: asyncio.Event, shares: dict
+) -> int:
+    """One run's slot from its published config to its end; ``shares[run_id]``: its gate figures at the end."""
+    keys, said = RedisKeys(run_id), False
+    published = None
+    while published is None and not stop.is_set():
+        try:
+            published = await asyncio.to_thread(read_run_config, client, keys)
+        except Exception as e:  # Redis away for a moment, or a config that is not JSON: say so, retry
+            log.warning("fleet_run_config_unreadable", run=run_id, error=str(e))
+        if published is None:
+            if not said:
+                log.info("fleet_waiting_for_run", run=run_id, hint="its learner publishes the run's config at start")
+                said = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
+    if published is None:
+        return 0  # stopped before the run started
+    try:
+        cfg = slot_config(fleet, run_id, published)
+        port, server_id = resolve_identity(cfg)
+    except ValueError as e:
+        log.error("fleet_run_refused", run=run_id, error=str(e))
+        return 1
+    gate.add_run(run_id, cfg.rollout.share)
+    log.info("fleet_run_joined", run=run_id, server_id=server_id, share=cfg.rollout.share, model=cfg.model.path,
+             engine=cfg.rollout.engine.type)  # fmt: skip
+    try:
+        return await serve(cfg, port=port, server_id=server_id, stop=stop, gate=gate, loading=loading)
+    except Exception as e:  # this run's slot only: the others go on
+        log.exception("fleet_run_failed", run=run_id, error=str(e))
+        return 1
+    finally:
+        shares[run_id] = gate.stats().get(run_id, {})
+        gate.remove_run(run_id)
+
+
+def run_fleet(fleet: TetherConfig, run_ids: list[str]) -> int:
+    setup_logging(process=f"fleet-{socket.gethostname()}", level=fleet.run.log_level,
+                  console_format=fleet.run.log_format)  # fmt: skip
+    try:
+        return asyncio.run(serve_runs(fleet, run_ids))
+    except KeyboardInterrupt:
+        return 130

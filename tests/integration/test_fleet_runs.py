@@ -1,0 +1,157 @@
+"""One rollout fleet serving several runs (issue 36): ``tether rollout --runs a,b``, real processes, one Redis.
+
+- Two learners, each its own run (``tether learner``), and one fleet process serving both: each run trains to
+  its last step on groups its own slot generated, with its own weight versions (the last step trained on a
+  later version than the first), acknowledges every group, and the fleet exits 0 by itself once both
+  runs have ended. A third run whose config cannot be served (its model is missing) fails its slot alone:
+  the other two train as if it were not there, and the fleet says which run failed.
+- Shares: two runs with ``rollout.share`` 1 and 3, prompts waiting in both, and one generation at a time
+  (``rollout.prompt_workers: 1`` in the fleet's config): the generated tokens split about 1:3.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+
+from buffer import PromptQueue, RedisKeys, TrajectoryReader
+from buffer.run_config import publish_run_config
+from tests.integration.test_up import REPO, write_config
+from tether.config import load_config
+from tether.metrics import read_metrics
+from tether.tasks import demo_rows
+from tether.v1 import trajectory_pb2
+
+pytestmark = pytest.mark.slow
+STEPS = 4
+
+
+def _config(tmp_path: Path, model: Path, run_id: str, **rollout) -> Path:
+    folder = tmp_path / run_id
+    folder.mkdir()
+    path = write_config(folder, model, run_id=run_id, steps=STEPS)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["run"]["output_dir"] = str(tmp_path / "runs")
+    cfg["rollout"].update(rollout)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _fleet(cfg: Path, redis_url: str, runs: list[str], *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tether", "rollout", "--config", str(cfg), "--buffer.redis_url", redis_url,
+           "--runs", ",".join(runs), "--run.log_format", "json", *extra]  # fmt: skip
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _learner(cfg: Path, redis_url: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tether", "learner", "--config", str(cfg), "--buffer.redis_url", redis_url]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _events(out: str, name: str) -> list[dict]:
+    found = []
+    for line in out.splitlines():
+        if f'"{name}"' in line and line.lstrip().startswith("{"):
+            found.append(json.loads(line))
+    return found
+
+
+def test_one_fleet_serves_two_runs_and_a_failing_run_stops_neither(
+    tmp_path: Path, tiny_model_dir: Path, redis_url: str
+) -> None:
+    runs = ["fleet-a", "fleet-b"]
+    configs = {run: _config(tmp_path, tiny_model_dir, run) for run in runs}
+    client = redis.Redis.from_url(redis_url)
+    # A run whose learner published a config this fleet cannot serve: its model is not there.
+    bad = load_config(configs["fleet-a"], ["--run.run_id", "fleet-bad"]).model_dump(mode="json")
+    bad["model"]["path"] = str(tmp_path / "no-such-model")
+    publish_run_config(client, RedisKeys("fleet-bad"), bad)
+    fleet = _fleet(configs["fleet-a"], redis_url, [*runs, "fleet-bad"], "--exit-when-run-ends")
+    learners = {run: _learner(configs[run], redis_url) for run in runs}
+    outs: dict[str, str] = {}
+    fleet_out = None
+    try:
+        outs = {run: proc.communicate(timeout=480)[0] for run, proc in learners.items()}
+        fleet_out, _ = fleet.communicate(timeout=120)  # no signal: both runs ended, their slots exited
+    finally:
+        for proc in (fleet, *learners.values()):
+            if proc.poll() is None:
+                proc.kill()
+        if fleet_out is None:
+            fleet_out = fleet.communicate()[0]
+    for run, proc in learners.items():
+        assert proc.returncode == 0, (run, outs.get(run, "")[-3000:], fleet_out[-3000:])
+    assert fleet.returncode == 1, fleet_out[-3000:]  # a slot failed, and the fleet says so in its code
+    failed = _events(fleet_out, "fleet_run_failed") + _events(fleet_out, "fleet_run_refused")
+    assert [e["run"] for e in failed] == ["fleet-bad"], fleet_out[-3000:]
+    joined = {e["run"]: e["server_id"] for e in _events(fleet_out, "fleet_run_joined")}
+    assert set(runs) <= set(joined) and len({joined[r] for r in runs}) == 2  # one slot (server) a run
+
+    for run in runs:
+        run_dir = tmp_path / "runs" / run
+        rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("reward/mean") is not None]
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), run
+        # the run's own weight updates reached its slot: later steps trained on a later version of this run
+        assert rows[0]["data/version_max"] == 0 and rows[-1]["data/version_max"] >= 1, (run, rows[-1])
+        stats = json.loads((run_dir / "buffer_stats.json").read_text())
+        assert stats["buffer/acknowledged"] == STEPS * 4 and stats["buffer/dead_letter"] == 0, (run, stats)
+        groups = [json.loads(line) for line in (run_dir / "groups.jsonl").read_text().splitlines()]
+        assert groups and {g["server"] for g in groups} == {joined[run]}, (run, groups[:2])
+    client.close()
+
+
+def _prompts(n: int):
+    for i, row in zip(range(n), demo_rows(seed=2), strict=False):
+        yield trajectory_pb2.Prompt(
+            prompt_id=f"p{i}", dataset_index=i, text=row["prompt"], reward_context={"answer": row["answer"]}
+        )
+
+
+def _read_tokens(reader: TrajectoryReader, counts: list[int]) -> None:
+    """Read what a run's stream holds now into ``counts`` = [groups, completion tokens]."""
+    for b in reader.read(100, current_version=0, max_staleness=100, block_ms=0):
+        counts[0] += 1
+        counts[1] += sum(t.num_completion_tokens for t in b.group.trajectories)
+
+
+def test_shares_split_the_generated_tokens(tmp_path: Path, tiny_model_dir: Path, redis_url: str) -> None:
+    shares = {"share-a": 1.0, "share-b": 3.0}
+    client = redis.Redis.from_url(redis_url)
+    for run, share in shares.items():
+        path = _config(tmp_path, tiny_model_dir, run, share=share, prompt_workers=2, max_tokens=16)
+        cfg = load_config(path, ["--buffer.max_trajectory_groups", "1000"])
+        publish_run_config(client, RedisKeys(run), cfg.model_dump(mode="json"))
+        fed = PromptQueue(client, RedisKeys(run)).feed(_prompts(200), version=0, prompts_per_version=200,
+                                                       max_staleness=0)  # fmt: skip
+        assert fed == 200
+    fleet_cfg = _config(tmp_path, tiny_model_dir, "fleet-itself", prompt_workers=1)
+    fleet = _fleet(fleet_cfg, redis_url, list(shares))
+    buffer = load_config(None, []).buffer
+    readers = {run: TrajectoryReader(client, RedisKeys(run), buffer, consumer="test") for run in shares}
+    counts = {run: [0, 0] for run in shares}
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and fleet.poll() is None and sum(g for g, _ in counts.values()) < 40:
+            for run, reader in readers.items():
+                _read_tokens(reader, counts[run])
+            time.sleep(0.2)
+        fleet.send_signal(signal.SIGTERM)
+        out, _ = fleet.communicate(timeout=120)
+    finally:
+        if fleet.poll() is None:
+            fleet.kill()
+    assert sum(g for g, _ in counts.values()) >= 40, out[-3000:]
+    # The split is measured in tokens over the whole window; both runs had prompts waiting throughout.
+    a, b = counts["share-a"][1], counts["share-b"][1]
+    assert 0.65 <= b / (a + b) <= 0.85, (counts, out[-2000:])
+    stopped = _events(out, "fleet_stopped")
+    assert stopped and set(stopped[0]["shares"]) == set(shares), out[-2000:]
+    client.close()
