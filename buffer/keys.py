@@ -17,6 +17,10 @@ LEARNER_GROUP = "learner"
 VALIDATION_GROUP = "rollout-val"
 """Consumer group of the rollout servers on the validation prompts stream."""
 
+RUNS = "tether:runs"
+"""Set of the run ids whose learners published their config: what a fleet serving every run that asks
+(``tether rollout --runs '*'``) joins. The one key outside any run's prefix."""
+
 
 @dataclass(frozen=True)
 class RedisKeys:

@@ -12,7 +12,7 @@ import json
 
 import redis
 
-from buffer.keys import RedisKeys
+from buffer.keys import RUNS, RedisKeys
 
 HOST_BOUND = {
     "buffer": ("redis_url",),
@@ -32,7 +32,22 @@ def published_copy(config: dict) -> dict:
 
 
 def publish_run_config(client: redis.Redis, keys: RedisKeys, config: dict) -> None:
-    client.set(keys.run_config, json.dumps(published_copy(config)))
+    """Publish the run's config and add the run to :data:`buffer.keys.RUNS` (the runs that ask for fleets)."""
+    pipe = client.pipeline(transaction=True)
+    pipe.set(keys.run_config, json.dumps(published_copy(config)))
+    pipe.sadd(RUNS, keys.run_id)
+    pipe.execute()
+
+
+def asking_runs(client: redis.Redis) -> list[str]:
+    """The runs whose learners published a config and whose end is not published, sorted."""
+    runs = sorted(r.decode() if isinstance(r, bytes) else str(r) for r in client.smembers(RUNS))
+    if not runs:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for run in runs:
+        pipe.exists(RedisKeys(run).run_end)
+    return [run for run, ended in zip(runs, pipe.execute(), strict=True) if not ended]
 
 
 def read_run_config(client: redis.Redis, keys: RedisKeys) -> dict | None:

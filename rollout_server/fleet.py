@@ -27,7 +27,7 @@ import signal
 import socket
 
 from buffer.keys import RedisKeys
-from buffer.run_config import read_run_config
+from buffer.run_config import asking_runs, read_run_config
 from rollout_server.main import resolve_identity, serve
 from rollout_server.shares import ShareGate
 from tether.config import TetherConfig
@@ -35,6 +35,12 @@ from tether.logs import get_logger, setup_logging
 from tether.redis_server import connect_redis
 
 log = get_logger(__name__)
+
+EVERY_RUN = "*"
+"""``--runs '*'``: serve every run whose learner asks (publishes its config), joining new ones as they come."""
+
+JOIN_POLL_S = 2.0
+"""How often a fleet serving every run looks for new ones."""
 
 DEFAULT_CAPACITY = 4
 """Generations at once across the fleet's runs when the fleet config leaves ``rollout.prompt_workers`` empty."""
@@ -77,9 +83,12 @@ def capacity(fleet: TetherConfig) -> int:
 
 
 async def serve_runs(fleet: TetherConfig, run_ids: list[str], *, stop: asyncio.Event | None = None) -> int:
-    """Serve ``run_ids`` until ``stop`` (SIGTERM / Ctrl-C when None) or until every slot has ended."""
-    if not run_ids or len(set(run_ids)) != len(run_ids):
-        raise ValueError(f"--runs: distinct run ids expected, got {run_ids!r}")
+    """Serve ``run_ids`` — or, with ``["*"]``, every run that asks (:func:`buffer.run_config.asking_runs`,
+    polled every :data:`JOIN_POLL_S`) — until ``stop`` (SIGTERM / Ctrl-C when None); listed runs: also until
+    every slot has ended."""
+    every = run_ids == [EVERY_RUN]
+    if not run_ids or len(set(run_ids)) != len(run_ids) or (EVERY_RUN in run_ids and not every):
+        raise ValueError(f"--runs: distinct run ids, or {EVERY_RUN!r} alone, expected; got {run_ids!r}")
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -87,23 +96,38 @@ async def serve_runs(fleet: TetherConfig, run_ids: list[str], *, stop: asyncio.E
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
     client = connect_redis(fleet.buffer.redis_url)
-    gate, loading, shares = ShareGate(capacity(fleet)), asyncio.Lock(), {}
-    slots = {run: asyncio.Event() for run in run_ids}  # each slot's own stop: a run that ends stops its slot only
+    gate, loading = ShareGate(capacity(fleet)), asyncio.Lock()
+    shares: dict[str, dict] = {}
+    slots: dict[str, tuple[asyncio.Task[int], asyncio.Event]] = {}  # each slot its own stop: a run's end is its own
+    codes: dict[str, int] = {}
 
-    async def forward_stop() -> None:
-        await stop.wait()
-        for event in slots.values():
-            event.set()
+    def join(run: str) -> None:
+        if run in slots and not slots[run][0].done():
+            return
+        if run in slots:  # an earlier slot of this run ended (the run ended, then resumed): a new one
+            codes[run] = max(codes.get(run, 0), slots[run][0].result())
+        own = asyncio.Event()
+        slots[run] = (asyncio.create_task(_slot(fleet, run, client, gate, loading, own, shares)), own)
 
-    forwarder = asyncio.create_task(forward_stop())
     log.info("fleet_started", runs=run_ids, capacity=gate.capacity)
     try:
-        codes = await asyncio.gather(*(_slot(fleet, run, client, gate, loading, slots[run], shares) for run in run_ids))
+        for run in [] if every else run_ids:
+            join(run)
+        while not stop.is_set() and (every or not all(task.done() for task, _ in slots.values())):
+            if every:
+                with contextlib.suppress(Exception):  # Redis away for a moment: the next poll joins them
+                    for run in await asyncio.to_thread(asking_runs, client):
+                        join(run)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=JOIN_POLL_S if every else 1.0)
+        for _, own in slots.values():
+            own.set()
+        for run, (task, _) in slots.items():
+            codes[run] = max(codes.get(run, 0), await task)
     finally:
-        forwarder.cancel()
         client.close()
-    log.info("fleet_stopped", codes=dict(zip(run_ids, codes, strict=True)), shares=shares)
-    return 0 if all(code == 0 for code in codes) else 1
+    log.info("fleet_stopped", codes=codes, shares=shares)
+    return 0 if all(code == 0 for code in codes.values()) else 1
 
 
 async def _slot(  # type: ignore[no-untyped-def]
@@ -128,7 +152,7 @@ async def _slot(  # type: ignore[no-untyped-def]
     try:
         cfg = slot_config(fleet, run_id, published)
         port, server_id = resolve_identity(cfg)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # a config this fleet cannot serve, or no port: this run only
         log.error("fleet_run_refused", run=run_id, error=str(e))
         return 1
     gate.add_run(run_id, cfg.rollout.share)

@@ -5,6 +5,8 @@
   later version than the first), acknowledges every group, and the fleet exits 0 by itself once both
   runs have ended. A third run whose config cannot be served (its model is missing) fails its slot alone:
   the other two train as if it were not there, and the fleet says which run failed.
+- ``--runs '*'``: a fleet started before any run joins the runs whose learners ask as they come, and not a
+  run that has already ended.
 - Shares: two runs with ``rollout.share`` 1 and 3, prompts waiting in both, and one generation at a time
   (``rollout.prompt_workers: 1`` in the fleet's config): the generated tokens split about 1:3.
 """
@@ -22,7 +24,8 @@ import pytest
 import redis
 import yaml
 
-from buffer import PromptQueue, RedisKeys, TrajectoryReader
+from buffer import PromptQueue, RedisKeys, ServerRegistry, TrajectoryReader
+from buffer.health import publish_run_end
 from buffer.run_config import publish_run_config
 from tests.integration.test_up import REPO, write_config
 from tether.config import load_config
@@ -154,4 +157,40 @@ def test_shares_split_the_generated_tokens(tmp_path: Path, tiny_model_dir: Path,
     assert 0.65 <= b / (a + b) <= 0.85, (counts, out[-2000:])
     stopped = _events(out, "fleet_stopped")
     assert stopped and set(stopped[0]["shares"]) == set(shares), out[-2000:]
+    client.close()
+
+
+def _as_run(published: dict, run_id: str) -> dict:
+    return {**published, "run": {**published["run"], "run_id": run_id}}
+
+
+def test_a_fleet_of_every_run_joins_runs_as_they_ask(tmp_path: Path, tiny_model_dir: Path, redis_url: str) -> None:
+    # ``--runs '*'``: the fleet starts first; runs whose learners publish a config later are joined as they
+    # come, and a run whose end is already published is not.
+    client = redis.Redis.from_url(redis_url)
+    config = _config(tmp_path, tiny_model_dir, "every-a")
+    published = load_config(config, []).model_dump(mode="json")
+    publish_run_config(
+        client, RedisKeys("every-done"), {**published, "run": {**published["run"], "run_id": "every-done"}}
+    )
+    publish_run_end(client, RedisKeys("every-done"), step=1, version=1)
+    fleet = _fleet(config, redis_url, ["*"])
+    try:
+        for run in ("every-a", "every-b"):
+            time.sleep(1.0)  # after the fleet's first look: these runs ask while it runs
+            publish_run_config(client, RedisKeys(run), _as_run(published, run))
+        deadline, live = time.monotonic() + 120, {}
+        while time.monotonic() < deadline and fleet.poll() is None:
+            live = {run: ServerRegistry(client, RedisKeys(run)).live() for run in ("every-a", "every-b")}
+            if all(live.values()):
+                break
+            time.sleep(0.5)
+        fleet.send_signal(signal.SIGTERM)
+        out, _ = fleet.communicate(timeout=120)
+    finally:
+        if fleet.poll() is None:
+            fleet.kill()
+    assert all(live.values()), (live, out[-3000:])
+    assert fleet.returncode == 0, out[-3000:]
+    assert sorted(e["run"] for e in _events(out, "fleet_run_joined")) == ["every-a", "every-b"], out[-3000:]
     client.close()

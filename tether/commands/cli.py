@@ -75,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument(
         "--runs",
         default="",
-        help="serve several runs from this one process (comma-separated run ids; each with its own config as "
-        "its learner publishes it, and its rollout.share of the generation); docs/FLEETS.md",
+        help="serve several runs from this one process: comma-separated run ids, or '*' for every run whose "
+        "learner asks (each with its own config as its learner publishes it, and its rollout.share of the "
+        "generation); docs/FLEETS.md",
     )
 
     status = sub.add_parser("status", help="show versions, buffer, servers and throughput of a run")
