@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 
+from buffer.fleets import FleetState, forget_fleet, publish_fleet
 from buffer.keys import RedisKeys
 from buffer.run_config import asking_runs, read_run_config
 from rollout_server.main import resolve_identity, serve
@@ -41,6 +43,9 @@ EVERY_RUN = "*"
 
 JOIN_POLL_S = 2.0
 """How often a fleet serving every run looks for new ones."""
+
+STATE_KEYS = ("share", "tokens", "groups", "waiting", "inflight")
+"""The gate's figures of each run a fleet publishes (``buffer.fleets``)."""
 
 DEFAULT_CAPACITY = 4
 """Generations at once across the fleet's runs when the fleet config leaves ``rollout.prompt_workers`` empty."""
@@ -95,77 +100,109 @@ async def serve_runs(fleet: TetherConfig, run_ids: list[str], *, stop: asyncio.E
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
-    client = connect_redis(fleet.buffer.redis_url)
-    gate, loading = ShareGate(capacity(fleet)), asyncio.Lock()
-    shares: dict[str, dict] = {}
-    slots: dict[str, tuple[asyncio.Task[int], asyncio.Event]] = {}  # each slot its own stop: a run's end is its own
-    codes: dict[str, int] = {}
-
-    def join(run: str) -> None:
-        if run in slots and not slots[run][0].done():
-            return
-        if run in slots:  # an earlier slot of this run ended (the run ended, then resumed): a new one
-            codes[run] = max(codes.get(run, 0), slots[run][0].result())
-        own = asyncio.Event()
-        slots[run] = (asyncio.create_task(_slot(fleet, run, client, gate, loading, own, shares)), own)
-
-    log.info("fleet_started", runs=run_ids, capacity=gate.capacity)
+    fleet_run = Fleet(fleet)
     try:
-        for run in [] if every else run_ids:
-            join(run)
-        while not stop.is_set() and (every or not all(task.done() for task, _ in slots.values())):
-            if every:
-                with contextlib.suppress(Exception):  # Redis away for a moment: the next poll joins them
-                    for run in await asyncio.to_thread(asking_runs, client):
-                        join(run)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=JOIN_POLL_S if every else 1.0)
-        for _, own in slots.values():
-            own.set()
-        for run, (task, _) in slots.items():
-            codes[run] = max(codes.get(run, 0), await task)
+        return await fleet_run.run(run_ids, stop)
     finally:
-        client.close()
-    log.info("fleet_stopped", codes=codes, shares=shares)
-    return 0 if all(code == 0 for code in codes.values()) else 1
+        fleet_run.client.close()
 
 
-async def _slot(  # type: ignore[no-untyped-def]
-    fleet: TetherConfig, run_id: str, client, gate: ShareGate, loading: asyncio.Lock, stop: asyncio.Event, shares: dict
-) -> int:
-    """One run's slot from its published config to its end; ``shares[run_id]``: its gate figures at the end."""
-    keys, said = RedisKeys(run_id), False
-    published = None
-    while published is None and not stop.is_set():
+class Fleet:
+    """The slots of one fleet process, its gate, and its entry in Redis (``buffer.fleets``)."""
+
+    def __init__(self, cfg: TetherConfig) -> None:
+        self.cfg = cfg
+        self.client = connect_redis(cfg.buffer.redis_url)
+        self.gate, self.loading = ShareGate(capacity(cfg)), asyncio.Lock()
+        self.fleet_id = cfg.rollout.server_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.slots: dict[str, tuple[asyncio.Task[int], asyncio.Event]] = {}  # each its own stop: a run's end is its own
+        self.servers: dict[str, str] = {}  # run -> its slot's server id, while the slot serves
+        self.shares: dict[str, dict] = {}  # run -> its gate figures when its slot ended
+        self.codes: dict[str, int] = {}
+
+    async def run(self, run_ids: list[str], stop: asyncio.Event) -> int:
+        every = run_ids == [EVERY_RUN]
+        log.info("fleet_started", fleet_id=self.fleet_id, runs=run_ids, capacity=self.gate.capacity)
+        beat = asyncio.create_task(self._heartbeat())
         try:
-            published = await asyncio.to_thread(read_run_config, client, keys)
-        except Exception as e:  # Redis away for a moment, or a config that is not JSON: say so, retry
-            log.warning("fleet_run_config_unreadable", run=run_id, error=str(e))
+            for run in [] if every else run_ids:
+                self.join(run)
+            while not stop.is_set() and (every or not all(task.done() for task, _ in self.slots.values())):
+                if every:
+                    with contextlib.suppress(Exception):  # Redis away for a moment: the next poll joins them
+                        for run in await asyncio.to_thread(asking_runs, self.client):
+                            self.join(run)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=JOIN_POLL_S if every else 1.0)
+            for _, own in self.slots.values():
+                own.set()
+            for run, (task, _) in self.slots.items():
+                self.codes[run] = max(self.codes.get(run, 0), await task)
+        finally:
+            beat.cancel()
+            with contextlib.suppress(Exception):
+                forget_fleet(self.client, self.fleet_id)
+        log.info("fleet_stopped", codes=self.codes, shares=self.shares)
+        return 0 if all(code == 0 for code in self.codes.values()) else 1
+
+    def join(self, run: str) -> None:
+        if run in self.slots and not self.slots[run][0].done():
+            return
+        if run in self.slots:  # an earlier slot of this run ended (the run ended, then resumed): a new one
+            self.codes[run] = max(self.codes.get(run, 0), self.slots[run][0].result())
+        own = asyncio.Event()
+        self.slots[run] = (asyncio.create_task(self._slot(run, own)), own)
+
+    def state(self) -> FleetState:
+        stats = self.gate.stats()
+        runs = {run: {**{k: stats[run][k] for k in STATE_KEYS if k in stats.get(run, {})}, "server_id": sid}
+                for run, sid in self.servers.items()}  # fmt: skip
+        return FleetState(self.fleet_id, socket.gethostname(), self.gate.capacity, runs)
+
+    async def _heartbeat(self) -> None:
+        every = self.cfg.rollout.heartbeat_s
+        while True:
+            try:
+                await asyncio.to_thread(publish_fleet, self.client, self.state(), ttl_s=3 * every)
+            except Exception as e:
+                log.warning("fleet_heartbeat_failed", error=str(e))
+            await asyncio.sleep(every)
+
+    async def _slot(self, run_id: str, stop: asyncio.Event) -> int:
+        """One run's slot from its published config to its end."""
+        keys, said, published = RedisKeys(run_id), False, None
+        while published is None and not stop.is_set():
+            try:
+                published = await asyncio.to_thread(read_run_config, self.client, keys)
+            except Exception as e:  # Redis away for a moment, or a config that is not JSON: say so, retry
+                log.warning("fleet_run_config_unreadable", run=run_id, error=str(e))
+            if published is None:
+                if not said:
+                    log.info("fleet_waiting_for_run", run=run_id, hint="its learner publishes its config at start")
+                    said = True
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=1.0)
         if published is None:
-            if not said:
-                log.info("fleet_waiting_for_run", run=run_id, hint="its learner publishes the run's config at start")
-                said = True
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=1.0)
-    if published is None:
-        return 0  # stopped before the run started
-    try:
-        cfg = slot_config(fleet, run_id, published)
-        port, server_id = resolve_identity(cfg)
-    except (ValueError, OSError) as e:  # a config this fleet cannot serve, or no port: this run only
-        log.error("fleet_run_refused", run=run_id, error=str(e))
-        return 1
-    gate.add_run(run_id, cfg.rollout.share)
-    log.info("fleet_run_joined", run=run_id, server_id=server_id, share=cfg.rollout.share, model=cfg.model.path,
-             engine=cfg.rollout.engine.type)  # fmt: skip
-    try:
-        return await serve(cfg, port=port, server_id=server_id, stop=stop, gate=gate, loading=loading)
-    except Exception as e:  # this run's slot only: the others go on
-        log.exception("fleet_run_failed", run=run_id, error=str(e))
-        return 1
-    finally:
-        shares[run_id] = gate.stats().get(run_id, {})
-        gate.remove_run(run_id)
+            return 0  # stopped before the run started
+        try:
+            cfg = slot_config(self.cfg, run_id, published)
+            port, server_id = resolve_identity(cfg)
+        except (ValueError, OSError) as e:  # a config this fleet cannot serve, or no port: this run only
+            log.error("fleet_run_refused", run=run_id, error=str(e))
+            return 1
+        self.gate.add_run(run_id, cfg.rollout.share)
+        self.servers[run_id] = server_id
+        log.info("fleet_run_joined", run=run_id, server_id=server_id, share=cfg.rollout.share, model=cfg.model.path,
+                 engine=cfg.rollout.engine.type)  # fmt: skip
+        try:
+            return await serve(cfg, port=port, server_id=server_id, stop=stop, gate=self.gate, loading=self.loading)
+        except Exception as e:  # this run's slot only: the others go on
+            log.exception("fleet_run_failed", run=run_id, error=str(e))
+            return 1
+        finally:
+            self.shares[run_id] = self.gate.stats().get(run_id, {})
+            self.servers.pop(run_id, None)
+            self.gate.remove_run(run_id)
 
 
 def run_fleet(fleet: TetherConfig, run_ids: list[str]) -> int:

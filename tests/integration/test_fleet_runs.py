@@ -8,7 +8,8 @@
 - ``--runs '*'``: a fleet started before any run joins the runs whose learners ask as they come, and not a
   run that has already ended.
 - Shares: two runs with ``rollout.share`` 1 and 3, prompts waiting in both, and one generation at a time
-  (``rollout.prompt_workers: 1`` in the fleet's config): the generated tokens split about 1:3.
+  (``rollout.prompt_workers: 1`` in the fleet's config): the generated tokens split about 1:3, and
+  ``tether status --fleets`` shows the fleet with both runs and their shares.
 """
 
 from __future__ import annotations
@@ -146,12 +147,18 @@ def test_shares_split_the_generated_tokens(tmp_path: Path, tiny_model_dir: Path,
             for run, reader in readers.items():
                 _read_tokens(reader, counts[run])
             time.sleep(0.2)
+        status = subprocess.run([sys.executable, "-m", "tether", "status", "--fleets", "--buffer.redis_url", redis_url],
+                                cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
         fleet.send_signal(signal.SIGTERM)
         out, _ = fleet.communicate(timeout=120)
     finally:
         if fleet.poll() is None:
             fleet.kill()
     assert sum(g for g, _ in counts.values()) >= 40, out[-3000:]
+    # `tether status --fleets` while it served: the fleet, and each run with its share
+    assert status.returncode == 0 and "fleet " in status.stdout, status.stdout + status.stderr
+    rows = {line.split()[0]: line.split() for line in status.stdout.splitlines() if line.strip().startswith("share-")}
+    assert {run: float(row[1]) for run, row in rows.items()} == shares, status.stdout
     # The split is measured in tokens over the whole window; both runs had prompts waiting throughout.
     a, b = counts["share-a"][1], counts["share-b"][1]
     assert 0.65 <= b / (a + b) <= 0.85, (counts, out[-2000:])

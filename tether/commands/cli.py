@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show versions, buffer, servers and throughput of a run")
     _add_config(status)
     status.add_argument("--watch", action="store_true", help="refresh every second until Ctrl-C")
+    status.add_argument(
+        "--fleets",
+        action="store_true",
+        help="every rollout fleet serving several runs, with each run's share and versions",
+    )
 
     show = sub.add_parser("config", help="validate a config and print it resolved")
     _add_config(show)
@@ -205,6 +210,10 @@ def _split_threads(cfg: TetherConfig, role: str) -> None:
 
 def cmd_status(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load(args, overrides)
+    if args.fleets:
+        from tether.commands.fleet_status import show_fleets
+
+        return show_fleets(cfg)
     _require_run_id(cfg)
     from tether.commands.status import show_status
 
