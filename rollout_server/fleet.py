@@ -32,6 +32,7 @@ from buffer.keys import RedisKeys
 from buffer.run_config import asking_runs, read_run_config
 from rollout_server.main import resolve_identity, serve
 from rollout_server.shares import ShareGate
+from tether.auth import auth_token, run_token
 from tether.config import TetherConfig
 from tether.logs import get_logger, setup_logging
 from tether.redis_server import connect_redis
@@ -68,7 +69,8 @@ FLEET_ROLLOUT_KEYS = (
 
 def slot_config(fleet: TetherConfig, run_id: str, published: dict) -> TetherConfig:
     """The config one run's slot serves with: the run's published config, with the fleet's Redis, engine,
-    network and credentials (:data:`FLEET_ROLLOUT_KEYS`), a free port and no metrics endpoint of its own."""
+    network and credentials (:data:`FLEET_ROLLOUT_KEYS`), a free port and no metrics endpoint of its own.
+    With a fleet token the slot's token is the run's own (:func:`tether.auth.run_token`)."""
     body = {k: dict(v) if isinstance(v, dict) else v for k, v in published.items()}
     mine = fleet.model_dump(mode="json")
     body.setdefault("run", {})["run_id"] = run_id
@@ -77,6 +79,9 @@ def slot_config(fleet: TetherConfig, run_id: str, published: dict) -> TetherConf
     for key in FLEET_ROLLOUT_KEYS:
         rollout[key] = mine["rollout"][key]
     rollout.update(port=0, server_id="", metrics_port=None)
+    secret = auth_token(fleet.rollout.auth_token)
+    if secret:  # each run's slot takes that run's own token only (tether.auth.run_token)
+        rollout["auth_token"] = run_token(secret, run_id)
     try:
         return TetherConfig.model_validate(body)
     except ValueError as e:

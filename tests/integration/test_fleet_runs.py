@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -201,3 +202,47 @@ def test_a_fleet_of_every_run_joins_runs_as_they_ask(tmp_path: Path, tiny_model_
     assert fleet.returncode == 0, out[-3000:]
     assert sorted(e["run"] for e in _events(out, "fleet_run_joined")) == ["every-a", "every-b"], out[-3000:]
     client.close()
+
+
+def test_each_run_reaches_its_own_slot_only(tmp_path: Path, tiny_model_dir: Path, redis_url: str) -> None:
+    # A fleet with a token: each run's slot takes that run's own token (`tether run-token`), not another
+    # run's, and not the fleet's secret itself.
+    import grpc
+
+    from tether.auth import run_token
+    from tether.client import RolloutClient
+
+    client = redis.Redis.from_url(redis_url)
+    config = _config(tmp_path, tiny_model_dir, "token-a")
+    published = load_config(config, []).model_dump(mode="json")
+    for run in ("token-a", "token-b"):
+        publish_run_config(client, RedisKeys(run), _as_run(published, run))
+    secret = "fleet-secret"
+    env = {**os.environ, "TETHER_AUTH_TOKEN": secret}
+    cmd = [sys.executable, "-m", "tether", "rollout", "--config", str(config), "--buffer.redis_url", redis_url,
+           "--runs", "token-a,token-b"]  # fmt: skip
+    fleet = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, live = time.monotonic() + 120, {}
+        while (
+            time.monotonic() < deadline
+            and fleet.poll() is None
+            and not all(live.get(r) for r in ("token-a", "token-b"))
+        ):
+            live = {run: ServerRegistry(client, RedisKeys(run)).live() for run in ("token-a", "token-b")}
+            time.sleep(0.5)
+        assert all(live.values()), live
+        address = live["token-a"][0].address
+        with RolloutClient(address, token=run_token(secret, "token-a"), timeout_s=60) as c:
+            assert len(c.generate(text="go", n=1, max_tokens=4).samples) == 1  # its own run's token: served
+        for wrong in (run_token(secret, "token-b"), secret):
+            with RolloutClient(address, token=wrong, timeout_s=60) as c, pytest.raises(grpc.RpcError) as err:
+                c.generate(text="go", n=1, max_tokens=4)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        printed = subprocess.run([sys.executable, "-m", "tether", "run-token", "--run.run_id", "token-a"], cwd=REPO,
+                                 env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert printed.stdout.strip() == run_token(secret, "token-a"), printed.stderr
+    finally:
+        fleet.send_signal(signal.SIGTERM)
+        fleet.communicate(timeout=120)
+        client.close()

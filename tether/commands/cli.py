@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_trace(sub)
 
+    token = sub.add_parser(
+        "run-token", help="print a run's own token on a fleet serving several runs (its learner's auth_token)"
+    )
+    _add_config(token)
+
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random model + byte-level tokenizer")
     tiny.add_argument("out_dir", metavar="DIR")
     tiny.add_argument("--hidden", type=int, default=128, help="hidden size (default 128)")
@@ -287,6 +292,20 @@ def cmd_make_tiny_model(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_run_token(args: argparse.Namespace, overrides: list[str]) -> int:
+    """The run's token under the fleet's (``rollout.auth_token`` or ``TETHER_AUTH_TOKEN``): give it to the
+    run's learner as its ``rollout.auth_token``."""
+    cfg = _load(args, overrides)
+    _require_run_id(cfg)
+    from tether.auth import auth_token, run_token
+
+    try:
+        print(run_token(auth_token(cfg.rollout.auth_token), cfg.run.run_id or ""))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "up": cmd_up,
     "learner": cmd_learner,
@@ -298,6 +317,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "view": cmd_view,
     "trace": cmd_trace,
     "make-tiny-model": cmd_make_tiny_model,
+    "run-token": cmd_run_token,
 }
 
 
