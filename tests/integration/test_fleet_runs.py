@@ -5,6 +5,7 @@
   later version than the first), acknowledges every group, and the fleet exits 0 by itself once both
   runs have ended. A third run whose config cannot be served (its model is missing) fails its slot alone:
   the other two train as if it were not there, and the fleet says which run failed.
+- A run's learner killed after its first step stalls no other run on the fleet.
 - ``--runs '*'``: a fleet started before any run joins the runs whose learners ask as they come, and not a
   run that has already ended.
 - Shares: two runs with ``rollout.share`` 1 and 3, prompts waiting in both, and one generation at a time
@@ -56,9 +57,12 @@ def _fleet(cfg: Path, redis_url: str, runs: list[str], *extra: str) -> subproces
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _learner(cfg: Path, redis_url: str) -> subprocess.Popen:
+def _learner(cfg: Path, redis_url: str, *, new_session: bool = False) -> subprocess.Popen:
+    """``tether learner`` (it becomes torchrun, whose ranks are its children: ``new_session`` lets a test kill
+    them all)."""
     cmd = [sys.executable, "-m", "tether", "learner", "--config", str(cfg), "--buffer.redis_url", redis_url]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=new_session)  # fmt: skip
 
 
 def _events(out: str, name: str) -> list[dict]:
@@ -246,3 +250,35 @@ def test_each_run_reaches_its_own_slot_only(tmp_path: Path, tiny_model_dir: Path
         fleet.send_signal(signal.SIGTERM)
         fleet.communicate(timeout=120)
         client.close()
+
+
+def test_a_killed_learner_stalls_no_other_run(tmp_path: Path, tiny_model_dir: Path, redis_url: str) -> None:
+    # Run A's learner is SIGKILLed after its first step; run B, on the same fleet, trains to its last step,
+    # and the fleet, its slot of A idle, drains on SIGTERM and exits 0.
+    configs = {run: _config(tmp_path, tiny_model_dir, run) for run in ("killed-a", "alive-b")}
+    fleet = _fleet(configs["killed-a"], redis_url, list(configs))
+    learners = {run: _learner(cfg, redis_url, new_session=True) for run, cfg in configs.items()}
+    metrics = tmp_path / "runs" / "killed-a" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and learners["killed-a"].poll() is None:
+            if metrics.exists() and any(r.get("reward/mean") is not None for r in read_metrics(metrics)):
+                break
+            time.sleep(0.2)
+        os.killpg(learners["killed-a"].pid, signal.SIGKILL)
+        out_b, _ = learners["alive-b"].communicate(timeout=480)
+        fleet.send_signal(signal.SIGTERM)
+        fleet_out, _ = fleet.communicate(timeout=120)
+    finally:
+        for proc in learners.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        if fleet.poll() is None:
+            fleet.kill()
+    assert learners["alive-b"].returncode == 0, out_b[-3000:] + fleet_out[-3000:]
+    rows = read_metrics(tmp_path / "runs" / "alive-b" / "metrics.jsonl")
+    rows = [r for r in rows if r.get("reward/mean") is not None]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert fleet.returncode == 0, fleet_out[-3000:]
+    killed = [r for r in read_metrics(metrics) if r.get("reward/mean") is not None]
+    assert 1 <= len(killed) < STEPS  # run A really died mid-run
