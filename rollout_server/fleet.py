@@ -70,7 +70,9 @@ FLEET_ROLLOUT_KEYS = (
 def slot_config(fleet: TetherConfig, run_id: str, published: dict) -> TetherConfig:
     """The config one run's slot serves with: the run's published config, with the fleet's Redis, engine,
     network and credentials (:data:`FLEET_ROLLOUT_KEYS`), a free port and no metrics endpoint of its own.
-    With a fleet token the slot's token is the run's own (:func:`tether.auth.run_token`)."""
+    With a fleet token the slot's token is the run's own (:func:`tether.auth.run_token`). A run asking for
+    ``model.trust_remote_code`` is refused unless the fleet's own config allows it (the model's code would run
+    in the fleet's process, beside the other runs)."""
     body = {k: dict(v) if isinstance(v, dict) else v for k, v in published.items()}
     mine = fleet.model_dump(mode="json")
     body.setdefault("run", {})["run_id"] = run_id
@@ -79,6 +81,11 @@ def slot_config(fleet: TetherConfig, run_id: str, published: dict) -> TetherConf
     for key in FLEET_ROLLOUT_KEYS:
         rollout[key] = mine["rollout"][key]
     rollout.update(port=0, server_id="", metrics_port=None)
+    if (body.get("model") or {}).get("trust_remote_code") and not fleet.model.trust_remote_code:
+        raise ValueError(
+            f"run {run_id!r} asks for model.trust_remote_code: a fleet runs no run's code unless its own config "
+            "sets model.trust_remote_code: true"
+        )
     secret = auth_token(fleet.rollout.auth_token)
     if secret:  # each run's slot takes that run's own token only (tether.auth.run_token)
         rollout["auth_token"] = run_token(secret, run_id)
