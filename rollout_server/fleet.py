@@ -1,7 +1,9 @@
 """One rollout process serving several runs at once: ``tether rollout --runs a,b --config fleet.yaml``.
 
 Each run gets a slot that is, to that run, one of its rollout servers (:func:`rollout_server.main.serve`):
-its own engine holding its own copy of the weights (full fine-tuning), its own gRPC port and registry entry
+its own engine holding its own copy of the weights (full fine-tuning) — or, for runs that fine-tune LoRA
+adapters of one base, one engine they share, each run's rows generating with its own adapter
+(:mod:`rollout_server.engines.adapter_view`) — its own gRPC port and registry entry
 under the run's keys, its prompt worker, its weight updates. A slot is configured by the run's published
 config (:mod:`buffer.run_config`: the run's model, sampling, reward, tasks, weight transport and share) with
 the fleet's own engine, network, credentials and Redis. Prompts are admitted by each run's learner under
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -30,6 +33,7 @@ import socket
 from buffer.fleets import FleetState, forget_fleet, publish_fleet
 from buffer.keys import RedisKeys
 from buffer.run_config import asking_runs, read_run_config
+from rollout_server.engines.adapter_view import AdapterView, SharedBase
 from rollout_server.main import resolve_identity, serve
 from rollout_server.shares import ShareGate
 from tether.auth import auth_token, run_token
@@ -47,6 +51,9 @@ JOIN_POLL_S = 2.0
 
 STATE_KEYS = ("share", "tokens", "groups", "waiting", "inflight")
 """The gate's figures of each run a fleet publishes (``buffer.fleets``)."""
+
+SHARED_BASE_ENGINES = ("transformers",)
+"""Engines that apply each row's own adapter in one batch: LoRA runs of one base share such an engine."""
 
 DEFAULT_CAPACITY = 4
 """Generations at once across the fleet's runs when the fleet config leaves ``rollout.prompt_workers`` empty."""
@@ -131,6 +138,7 @@ class Fleet:
         self.servers: dict[str, str] = {}  # run -> its slot's server id, while the slot serves
         self.shares: dict[str, dict] = {}  # run -> its gate figures when its slot ended
         self.codes: dict[str, int] = {}
+        self.bases: dict[str, SharedBase] = {}  # a base model and engine settings -> the engine LoRA runs share
 
     async def run(self, run_ids: list[str], stop: asyncio.Event) -> int:
         every = run_ids == [EVERY_RUN]
@@ -164,6 +172,21 @@ class Fleet:
             self.codes[run] = max(self.codes.get(run, 0), self.slots[run][0].result())
         own = asyncio.Event()
         self.slots[run] = (asyncio.create_task(self._slot(run, own)), own)
+
+    def _adapter_view(self, cfg: TetherConfig, run_id: str) -> AdapterView | None:
+        """A LoRA run's engine on the base it shares with the fleet's other LoRA runs of that model (one engine
+        loads it once; each run's rows carry its own adapter); None: the slot loads an engine of its own
+        (full fine-tuning, ``modules_to_save``, or an engine without per-row adapters)."""
+        lora = cfg.model.lora
+        if lora is None or lora.modules_to_save or cfg.rollout.engine.type not in SHARED_BASE_ENGINES:
+            return None
+        model = cfg.model.model_dump(mode="json", exclude={"lora"})
+        key = json.dumps([model, cfg.rollout.engine.model_dump(mode="json")], sort_keys=True)
+        if key not in self.bases:
+            from rollout_server.engines import build_engine
+
+            self.bases[key] = SharedBase(build_engine(cfg))
+        return AdapterView(self.bases[key], run_id)
 
     def state(self) -> FleetState:
         stats = self.gate.stats()
@@ -204,10 +227,12 @@ class Fleet:
             return 1
         self.gate.add_run(run_id, cfg.rollout.share)
         self.servers[run_id] = server_id
+        engine = self._adapter_view(cfg, run_id)
         log.info("fleet_run_joined", run=run_id, server_id=server_id, share=cfg.rollout.share, model=cfg.model.path,
-                 engine=cfg.rollout.engine.type)  # fmt: skip
+                 engine=cfg.rollout.engine.type, shared_base=engine is not None)  # fmt: skip
         try:
-            return await serve(cfg, port=port, server_id=server_id, stop=stop, gate=self.gate, loading=self.loading)
+            return await serve(cfg, port=port, server_id=server_id, stop=stop, gate=self.gate, loading=self.loading,
+                               engine=engine)  # fmt: skip
         except Exception as e:  # this run's slot only: the others go on
             log.exception("fleet_run_failed", run=run_id, error=str(e))
             return 1

@@ -24,6 +24,7 @@ from tether.logs import get_logger, setup_logging
 from tether.redis_server import free_port
 
 if TYPE_CHECKING:
+    from rollout_server.engines import Engine
     from rollout_server.shares import ShareGate
 
 log = get_logger(__name__)
@@ -61,12 +62,14 @@ async def serve(
     stop: asyncio.Event | None = None,
     gate: ShareGate | None = None,
     loading: asyncio.Lock | None = None,
+    engine: Engine | None = None,
 ) -> int:
     """Serve one run until ``stop`` (SIGTERM / Ctrl-C when None). A fleet serving several runs in this
     process (``rollout_server.fleet``) passes its fair-share ``gate``, which this run's generations pass,
     and its ``loading`` lock: its engines load one at a time (two at once doubles the peak memory, and
     transformers' lazy imports are not safe on two threads: one slot got ``cannot import name
-    'AutoModelForCausalLM'``)."""
+    'AutoModelForCausalLM'``), and, for a LoRA run on a base it shares with other runs, the run's
+    ``engine`` (``rollout_server.engines.adapter_view.AdapterView``) instead of one of its own."""
     from rollout_server.control import ControlServicer
     from rollout_server.engines import build_engine
     from rollout_server.episodes import EpisodeStore
@@ -86,7 +89,7 @@ async def serve(
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
 
-    engine = build_engine(cfg)
+    engine = engine or build_engine(cfg)
     log.info("engine_loading", engine=engine.name, model=cfg.model.path)
     async with loading or contextlib.nullcontext():
         await engine.start()

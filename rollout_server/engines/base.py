@@ -52,6 +52,7 @@ class SamplingSpec:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    adapter: str = ""  # the named LoRA adapter the request generates with; "" = the model as loaded
 
 
 @dataclass

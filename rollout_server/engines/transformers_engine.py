@@ -18,6 +18,10 @@ update into it on the engine's own thread, so a load never overlaps a forward pa
 received buffers as the parameters' storage (no copy; ``weight_sync/adopt.py``). Log-probs are of the
 processed (temperature-scaled) distribution (see ``sampling.py``). A request's new tokens are
 coalesced per sample until its consumer takes them, so a consumer wakes at most once per step.
+
+Named LoRA adapters (``load_adapter(..., name=...)``, ``SamplingSpec.adapter``) are applied per row,
+unmerged (``multi_lora.py``): rows of several adapters and of the base model share one batch, each step
+sets which row generates with which, and a row's tokens carry its adapter's version.
 """
 
 from __future__ import annotations
@@ -40,9 +44,11 @@ from rollout_server.engines.base import (
     Chunk,
     Engine,
     EngineError,
+    EngineRejected,
     SamplingSpec,
 )
 from rollout_server.engines.kv_batch import RunningBatch
+from rollout_server.engines.multi_lora import RowAdapters
 from rollout_server.engines.sampling import RowParams, sample
 from tether.config import TetherConfig
 from tether.logs import get_logger
@@ -113,6 +119,7 @@ class TransformersEngine(Engine):
         self.model: Any = None
         self.device: Any = None
         self._adapters: Any = None  # weight_sync.lora.AdapterApplier, made by the first LoRA update
+        self._named: RowAdapters | None = None  # named adapters applied per row, made by the first one loaded
         self._waiting: collections.deque[_Request] = collections.deque()  # arrival order; the first may wait for room
         self._arrived = asyncio.Event()
         self._requests: dict[str, _Request] = {}
@@ -195,6 +202,9 @@ class TransformersEngine(Engine):
     ) -> AsyncIterator[Chunk]:
         if self._loop_task is None or self._loop_task.done():
             raise EngineError("transformers engine is not running")
+        if spec.adapter and (self._named is None or spec.adapter not in self._named):
+            known = self._named.names if self._named is not None else []
+            raise EngineRejected(f"adapter {spec.adapter!r} is not loaded on this engine (loaded: {known})")
         req = _Request(request_id, list(prompt_ids), spec, wake_each_step=wake_each_step)
         self._requests[request_id] = req
         self._waiting.append(req)
@@ -261,15 +271,46 @@ class TransformersEngine(Engine):
 
         return await self._threaded(lambda: load_into_module(self.model, named, adoptable=adoptable))
 
-    async def load_adapter(self, named: Named, *, version: int, scale: float) -> LoadResult:
-        """``W0 + scale * B @ A`` into each adapted weight; ``W0`` is copied the first time a weight is adapted."""
+    async def load_adapter(self, named: Named, *, version: int, scale: float, name: str = "") -> LoadResult:
+        """``W0 + scale * B @ A`` into each adapted weight; ``W0`` is copied the first time a weight is adapted.
+
+        With ``name``: adapter ``name`` is added (or replaced whole) and applied, unmerged, to the rows whose
+        request names it (``SamplingSpec.adapter``); the weights stay as they are. On the engine's thread, so
+        between forward passes, and at the next step without a pause (a running decode burst is interrupted):
+        rows of ``name`` already running go on with the new tensors, and their tokens carry ``version`` from
+        then on; no forward ever mixes two versions of one adapter, and the other rows run on undisturbed."""
         from weight_sync.loading import LoadResult
         from weight_sync.lora import AdapterApplier
 
+        if name:
+            if self._named is None:
+                self._named = RowAdapters(self.model)
+            adapters = self._named
+            self._interrupt.set()  # a decode burst returns after this step, so the load lands at the next one
+            await self._threaded(lambda: adapters.load(name, named, scale=scale, version=version))
+            return LoadResult()
         if self._adapters is None:
             self._adapters = AdapterApplier(scale)
         await self._threaded(lambda: self._adapters.load(self.model, named))
         return LoadResult()
+
+    async def remove_adapter(self, name: str) -> None:
+        """Free named adapter ``name``; its requests end ABORTED (their rows leave at the next step), and a new
+        request naming it is refused."""
+        if self._named is None or name not in self._named:
+            known = self._named.names if self._named is not None else []
+            raise EngineError(f"no adapter {name!r} is loaded on this engine (loaded: {known})")
+        for req in self._requests.values():
+            if req.spec.adapter == name:
+                req.aborted = True
+        adapters = self._named
+        self._interrupt.set()
+        await self._threaded(lambda: adapters.remove(name))
+
+    @property
+    def adapters(self) -> list[str]:
+        """The named adapters loaded now."""
+        return self._named.names if self._named is not None else []
 
     def weight_delivery(self, cfg: TetherConfig) -> Delivery:
         """Received in this process; NCCL receives straight onto the model's device."""
@@ -379,7 +420,7 @@ class TransformersEngine(Engine):
             [[0] * (width - len(r.req.prompt_ids)) + [1] * len(r.req.prompt_ids) for r in rows], device=self.device
         )
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        state: dict[str, Any] = {"cache": None, "ids": ids, "mask": mask, "pos": pos}
+        state: dict[str, Any] = {"cache": None, "ids": ids, "mask": mask, "pos": pos, "rows": rows}
         tokens, logps = self._step_sync(state, params)
         self._counts.update(prefill=1, prefill_rows=len(rows))
         batch = RunningBatch(cache=state["cache"], mask=mask, pos=pos[:, -1] + 1, params=params)
@@ -417,7 +458,8 @@ class TransformersEngine(Engine):
                 # waits on _forward_idle), so the version read here is the one this step's forward runs with.
                 version = self.policy_version
                 mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=-1)
-                state = {"cache": batch.cache, "ids": batch.last[:, None], "mask": mask, "pos": batch.pos[:, None]}
+                state = {"cache": batch.cache, "ids": batch.last[:, None], "mask": mask, "pos": batch.pos[:, None],
+                         "rows": self._rows}  # fmt: skip
                 tokens, logps = self._step_sync(state, batch.params)
                 self._counts.update(decode=1, decode_rows=len(tokens))
                 batch.mask, batch.pos, batch.last = mask, batch.pos + 1, state["next"]
@@ -478,32 +520,51 @@ class TransformersEngine(Engine):
         with torch.inference_mode():
             if state["cache"] is None:
                 state["cache"] = DynamicCache(config=self.model.config)
-            out = self.model(
-                input_ids=state["ids"],
-                attention_mask=state["mask"],
-                position_ids=state["pos"],
-                past_key_values=state["cache"],
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            named = self._named
+            active = named is not None and named.names
+            with named.rows(self._row_adapters(state["rows"])) if active else contextlib.nullcontext():
+                out = self.model(
+                    input_ids=state["ids"],
+                    attention_mask=state["mask"],
+                    position_ids=state["pos"],
+                    past_key_values=state["cache"],
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
             return out.logits[:, -1, :]
+
+    def _row_adapters(self, rows: list[_Row]) -> list[str]:
+        """Each row's named adapter for this step (engine thread). A row whose adapter was removed since it
+        was admitted is aborted: it runs this step with none and leaves the batch without its token."""
+        assert self._named is not None
+        names = []
+        for r in rows:
+            name = r.req.spec.adapter
+            if name and name not in self._named:
+                r.req.aborted = True
+                name = ""
+            names.append(name)
+        return names
 
     def _advance(self, rows: list[_Row], tokens: list[int], logps: list[float], version: int) -> tuple[list[int], list]:
         """Record each row's new token and whether it finished (engine thread): the indices of the rows that
         go on, and what :func:`_deliver` hands to the requests."""
         alive, out = [], []
+        named = self._named
         for k, (r, tok, lp) in enumerate(zip(rows, tokens, logps, strict=True)):
             req, spec = r.req, r.req.spec
             if req.aborted:
                 out.append((req, r.index, None, 0.0, version, FINISH_ABORTED))
                 continue
+            # A named adapter's rows carry its version (read on this thread, where adapters load).
+            row_version = named.version(spec.adapter) if spec.adapter and named is not None else version
             r.generated.append(tok)
             finish = 0
             if tok in self._eos or (spec.stop and self._hit_stop(r.generated, spec.stop)):
                 finish = FINISH_STOP
             elif len(r.generated) >= spec.max_tokens or len(req.prompt_ids) + len(r.generated) >= self.max_model_len:
                 finish = FINISH_LENGTH
-            out.append((req, r.index, tok, lp, version, finish))
+            out.append((req, r.index, tok, lp, row_version, finish))
             if not finish:
                 alive.append(k)
         return alive, out

@@ -283,3 +283,39 @@ def test_a_killed_learner_stalls_no_other_run(tmp_path: Path, tiny_model_dir: Pa
     assert fleet.returncode == 0, fleet_out[-3000:]
     killed = [r for r in read_metrics(metrics) if r.get("reward/mean") is not None]
     assert 1 <= len(killed) < 1000  # run A really died mid-run
+
+
+def test_lora_runs_of_one_base_share_one_engine(tmp_path: Path, tiny_model_dir: Path, redis_url: str) -> None:
+    # Two runs fine-tuning LoRA adapters of the same base: the fleet loads the base once, each run's rows
+    # generate with its own adapter (replaced by its own updates), and both train to their last step.
+    runs = ("lora-a", "lora-b")
+    configs = {}
+    for run in runs:
+        path = _config(tmp_path, tiny_model_dir, run)
+        cfg = yaml.safe_load(path.read_text())
+        cfg["model"]["lora"] = {"rank": 4, "alpha": 8, "target_modules": "all-linear"}
+        path.write_text(yaml.safe_dump(cfg))
+        configs[run] = path
+    fleet = _fleet(configs["lora-a"], redis_url, list(runs), "--exit-when-run-ends")
+    learners = {run: _learner(cfg, redis_url) for run, cfg in configs.items()}
+    outs: dict[str, str] = {}
+    fleet_out = None
+    try:
+        outs = {run: proc.communicate(timeout=480)[0] for run, proc in learners.items()}
+        fleet_out, _ = fleet.communicate(timeout=120)
+    finally:
+        for proc in (fleet, *learners.values()):
+            if proc.poll() is None:
+                proc.kill()
+        if fleet_out is None:
+            fleet_out = fleet.communicate()[0]
+    for run, proc in learners.items():
+        assert proc.returncode == 0, (run, outs.get(run, "")[-3000:], fleet_out[-3000:])
+    assert fleet.returncode == 0, fleet_out[-3000:]
+    joined = _events(fleet_out, "fleet_run_joined")
+    assert sorted(e["run"] for e in joined) == list(runs) and all(e["shared_base"] for e in joined), joined
+    assert len(_events(fleet_out, "engine_started")) == 1, fleet_out[-3000:]  # the base, loaded once
+    for run in runs:
+        rows = [r for r in read_metrics(tmp_path / "runs" / run / "metrics.jsonl") if r.get("reward/mean") is not None]
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), run
+        assert rows[-1]["data/version_max"] >= 1, (run, rows[-1])  # tokens of the run's own later adapter
