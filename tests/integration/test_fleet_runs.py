@@ -65,6 +65,25 @@ def _learner(cfg: Path, redis_url: str, *, new_session: bool = False) -> subproc
                             start_new_session=new_session)  # fmt: skip
 
 
+def _learners_then_fleet(learners: dict[str, subprocess.Popen], fleet: subprocess.Popen) -> str:
+    """Wait for every learner, then for the fleet to exit by itself; each learner must exit 0. The fleet's
+    output (all of it, also when something hangs and is killed)."""
+    outs: dict[str, str] = {}
+    fleet_out = None
+    try:
+        outs = {run: proc.communicate(timeout=480)[0] for run, proc in learners.items()}
+        fleet_out, _ = fleet.communicate(timeout=120)
+    finally:
+        for proc in (fleet, *learners.values()):
+            if proc.poll() is None:
+                proc.kill()
+        if fleet_out is None:
+            fleet_out = fleet.communicate()[0]
+    for run, proc in learners.items():
+        assert proc.returncode == 0, (run, outs.get(run, "")[-3000:], fleet_out[-3000:])
+    return fleet_out
+
+
 def _events(out: str, name: str) -> list[dict]:
     found = []
     for line in out.splitlines():
@@ -85,19 +104,7 @@ def test_one_fleet_serves_two_runs_and_a_failing_run_stops_neither(
     publish_run_config(client, RedisKeys("fleet-bad"), bad)
     fleet = _fleet(configs["fleet-a"], redis_url, [*runs, "fleet-bad"], "--exit-when-run-ends")
     learners = {run: _learner(configs[run], redis_url) for run in runs}
-    outs: dict[str, str] = {}
-    fleet_out = None
-    try:
-        outs = {run: proc.communicate(timeout=480)[0] for run, proc in learners.items()}
-        fleet_out, _ = fleet.communicate(timeout=120)  # no signal: both runs ended, their slots exited
-    finally:
-        for proc in (fleet, *learners.values()):
-            if proc.poll() is None:
-                proc.kill()
-        if fleet_out is None:
-            fleet_out = fleet.communicate()[0]
-    for run, proc in learners.items():
-        assert proc.returncode == 0, (run, outs.get(run, "")[-3000:], fleet_out[-3000:])
+    fleet_out = _learners_then_fleet(learners, fleet)  # no signal: both runs end, their slots exit
     assert fleet.returncode == 1, fleet_out[-3000:]  # a slot failed, and the fleet says so in its code
     failed = _events(fleet_out, "fleet_run_failed") + _events(fleet_out, "fleet_run_refused")
     assert [e["run"] for e in failed] == ["fleet-bad"], fleet_out[-3000:]
@@ -298,19 +305,7 @@ def test_lora_runs_of_one_base_share_one_engine(tmp_path: Path, tiny_model_dir: 
         configs[run] = path
     fleet = _fleet(configs["lora-a"], redis_url, list(runs), "--exit-when-run-ends")
     learners = {run: _learner(cfg, redis_url) for run, cfg in configs.items()}
-    outs: dict[str, str] = {}
-    fleet_out = None
-    try:
-        outs = {run: proc.communicate(timeout=480)[0] for run, proc in learners.items()}
-        fleet_out, _ = fleet.communicate(timeout=120)
-    finally:
-        for proc in (fleet, *learners.values()):
-            if proc.poll() is None:
-                proc.kill()
-        if fleet_out is None:
-            fleet_out = fleet.communicate()[0]
-    for run, proc in learners.items():
-        assert proc.returncode == 0, (run, outs.get(run, "")[-3000:], fleet_out[-3000:])
+    fleet_out = _learners_then_fleet(learners, fleet)
     assert fleet.returncode == 0, fleet_out[-3000:]
     joined = _events(fleet_out, "fleet_run_joined")
     assert sorted(e["run"] for e in joined) == list(runs) and all(e["shared_base"] for e in joined), joined
