@@ -119,8 +119,11 @@ def test_a_relay_killed_mid_fetch_costs_a_fallback_to_the_origin(
         got, stats = Fetcher([via_relay, via_origin], on_chunk=kill_after_the_first).fetch(3)
     assert same_bits(got, store.fetch(3))
     assert list(stats.failed_sources) == [via_relay.name] and "UNAVAILABLE" in stats.failed_sources[via_relay.name]
-    assert stats.bytes_by_source[via_relay.name] == base.chunks[0].size
-    assert stats.bytes_by_source[via_origin.name] == got.fetched_bytes - base.chunks[0].size
+    # The relay served the first chunk, and whatever was already on the wire when it died (one CI run got
+    # two chunks from it); the origin served the rest, and no byte was counted twice.
+    from_relay = stats.bytes_by_source[via_relay.name]
+    assert base.chunks[0].size <= from_relay < got.fetched_bytes
+    assert from_relay + stats.bytes_by_source[via_origin.name] == got.fetched_bytes
     assert stats.corrupt == 0
     relay.proc.wait()
     assert relay.proc.returncode == -signal.SIGKILL
