@@ -13,6 +13,7 @@ import json
 import redis
 
 from buffer.keys import RUNS, RedisKeys
+from buffer.replies import text
 
 HOST_BOUND = {
     "buffer": ("redis_url",),
@@ -41,7 +42,7 @@ def publish_run_config(client: redis.Redis, keys: RedisKeys, config: dict) -> No
 
 def asking_runs(client: redis.Redis) -> list[str]:
     """The runs whose learners published a config and whose end is not published, sorted."""
-    runs = sorted(r.decode() if isinstance(r, bytes) else str(r) for r in client.smembers(RUNS))
+    runs = sorted(text(r) for r in client.smembers(RUNS))
     if not runs:
         return []
     pipe = client.pipeline(transaction=False)

@@ -98,9 +98,10 @@ class PromptWorker:
         with spans.span("generate", group=group_id, n=spec.n):
             async with self._turn() as turn:  # a fleet of several runs: this run's share of the generation
                 samples = await e.generate(ids, spec, request_id=f"{group_id}-{time.monotonic_ns()}")
+                generated = sum(len(x.token_ids) for x in samples)
                 if turn is not None:
-                    turn.spend(sum(len(x.token_ids) for x in samples))
-        s.metrics.add_tokens(sum(len(x.token_ids) for x in samples))
+                    turn.spend(generated)
+        s.metrics.add_tokens(generated)
         items = [
             ScoreItem(prompt.text, x.text, ids, x.token_ids, prompt.reward_context, f"{group_id}-{i}")
             for i, x in enumerate(samples)
