@@ -52,8 +52,9 @@ JOIN_POLL_S = 2.0
 STATE_KEYS = ("share", "tokens", "groups", "waiting", "inflight")
 """The gate's figures of each run a fleet publishes (``buffer.fleets``)."""
 
-SHARED_BASE_ENGINES = ("transformers",)
-"""Engines that apply each row's own adapter in one batch: LoRA runs of one base share such an engine."""
+SHARED_BASE_ENGINES = ("transformers", "vllm")
+"""Engines that apply each row's own adapter in one batch: LoRA runs of one base share such an engine
+(vLLM: up to ``rollout.engine.max_lora_rank``)."""
 
 DEFAULT_CAPACITY = 4
 """Generations at once across the fleet's runs when the fleet config leaves ``rollout.prompt_workers`` empty."""
@@ -177,15 +178,17 @@ class Fleet:
         """A LoRA run's engine on the base it shares with the fleet's other LoRA runs of that model (one engine
         loads it once; each run's rows carry its own adapter); None: the slot loads an engine of its own
         (full fine-tuning, ``modules_to_save``, or an engine without per-row adapters)."""
-        lora = cfg.model.lora
-        if lora is None or lora.modules_to_save or cfg.rollout.engine.type not in SHARED_BASE_ENGINES:
+        lora, engine = cfg.model.lora, cfg.rollout.engine
+        if lora is None or lora.modules_to_save or engine.type not in SHARED_BASE_ENGINES:
+            return None
+        if engine.type == "vllm" and lora.rank > engine.max_lora_rank:  # vLLM sizes its LoRA buffers at start
             return None
         model = cfg.model.model_dump(mode="json", exclude={"lora"})
         key = json.dumps([model, cfg.rollout.engine.model_dump(mode="json")], sort_keys=True)
         if key not in self.bases:
             from rollout_server.engines import build_engine
 
-            self.bases[key] = SharedBase(build_engine(cfg))
+            self.bases[key] = SharedBase(build_engine(cfg, named_adapters=True))
         return AdapterView(self.bases[key], run_id)
 
     def state(self) -> FleetState:

@@ -12,8 +12,10 @@ from tether.config import TetherConfig
 __all__ = ["Chunk", "Engine", "EngineError", "Sample", "SamplingSpec", "build_engine"]
 
 
-def build_engine(cfg: TetherConfig) -> Engine:
-    """The engine ``cfg.rollout.engine`` names, constructed but not started (``await engine.start()``)."""
+def build_engine(cfg: TetherConfig, *, named_adapters: bool = False) -> Engine:
+    """The engine ``cfg.rollout.engine`` names, constructed but not started (``await engine.start()``).
+    ``named_adapters``: requests may name LoRA adapters (a fleet's shared base; the transformers engine
+    always can, vLLM is started for it)."""
     kind = cfg.rollout.engine.type
     if kind == "transformers":
         from rollout_server.engines.transformers_engine import TransformersEngine
@@ -22,7 +24,7 @@ def build_engine(cfg: TetherConfig) -> Engine:
     if kind == "vllm":
         from rollout_server.engines.vllm_engine import VllmEngine
 
-        return VllmEngine(cfg)
+        return VllmEngine(cfg, named_adapters=named_adapters)
     if kind == "sglang":
         from rollout_server.engines.sglang_engine import SglangEngine
 

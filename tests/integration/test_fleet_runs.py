@@ -292,9 +292,20 @@ def test_a_killed_learner_stalls_no_other_run(tmp_path: Path, tiny_model_dir: Pa
     assert 1 <= len(killed) < 1000  # run A really died mid-run
 
 
-def test_lora_runs_of_one_base_share_one_engine(tmp_path: Path, tiny_model_dir: Path, redis_url: str) -> None:
+VLLM_FLEET = "{type: vllm, enforce_eager: true, cpu_kvcache_space_gb: 1, max_num_seqs: 16, max_lora_rank: 8}"
+
+
+@pytest.mark.parametrize(
+    "engine", ["transformers", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.timeout(900)])]
+)
+def test_lora_runs_of_one_base_share_one_engine(
+    engine: str, tmp_path: Path, tiny_model_dir: Path, redis_url: str
+) -> None:
     # Two runs fine-tuning LoRA adapters of the same base: the fleet loads the base once, each run's rows
     # generate with its own adapter (replaced by its own updates), and both train to their last step.
+    # vLLM: its multi-LoRA serving (one LoRARequest per adapter version; engines/vllm_adapters.py).
+    if engine == "vllm":
+        pytest.importorskip("vllm")
     runs = ("lora-a", "lora-b")
     configs = {}
     for run in runs:
@@ -303,7 +314,8 @@ def test_lora_runs_of_one_base_share_one_engine(tmp_path: Path, tiny_model_dir: 
         cfg["model"]["lora"] = {"rank": 4, "alpha": 8, "target_modules": "all-linear"}
         path.write_text(yaml.safe_dump(cfg))
         configs[run] = path
-    fleet = _fleet(configs["lora-a"], redis_url, list(runs), "--exit-when-run-ends")
+    extra = ["--rollout.engine", VLLM_FLEET, "--model.max_model_len", "512"] if engine == "vllm" else []
+    fleet = _fleet(configs["lora-a"], redis_url, list(runs), "--exit-when-run-ends", *extra)
     learners = {run: _learner(cfg, redis_url) for run, cfg in configs.items()}
     fleet_out = _learners_then_fleet(learners, fleet)
     assert fleet.returncode == 0, fleet_out[-3000:]

@@ -7,6 +7,9 @@
     tether status --config cfg.yaml --run.run_id r1  a live view of a running run
     tether config --config cfg.yaml [overrides]      print the resolved config
     tether plan --from-run runs/<id>                 simulate the fleet: replay a run, or project a split
+    tether rollout --config cfg.yaml --runs a,b      one rollout fleet serving several runs ('*': every run)
+    tether run-token --config cfg.yaml               a run's own token on a fleet with an auth_token
+    tether redis-user --run a --redis-url URL        a Redis user that reaches run a's keys only
     tether relay --listen H:P --upstream H:P         a weight-store relay: chunks from the learner, kept in memory
     tether view runs/<id> [--out page.html]          the sampled groups of a run, served on 127.0.0.1 or written
     tether trace runs/<id> [--out trace.json]        every process' stage spans on one Perfetto timeline
@@ -112,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
         "run-token", help="print a run's own token on a fleet serving several runs (its learner's auth_token)"
     )
     _add_config(token)
+
+    from tether.commands.redis_user import add_parser as add_redis_user
+
+    add_redis_user(sub)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random model + byte-level tokenizer")
     tiny.add_argument("out_dir", metavar="DIR")
@@ -306,6 +313,12 @@ def cmd_run_token(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_redis_user(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tether.commands.redis_user import cmd_redis_user as run_redis_user
+
+    return run_redis_user(args, overrides)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "up": cmd_up,
     "learner": cmd_learner,
@@ -318,6 +331,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "trace": cmd_trace,
     "make-tiny-model": cmd_make_tiny_model,
     "run-token": cmd_run_token,
+    "redis-user": cmd_redis_user,
 }
 
 

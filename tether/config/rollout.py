@@ -41,6 +41,11 @@ class VllmEngineConfig(Section):
     """KV cache size on the CPU build of vLLM (``VLLM_CPU_KVCACHE_SPACE``)."""
     log_stats_interval_s: float = Field(default=10.0, gt=0)
     """How often the engine's statistics are logged."""
+    max_loras: int = Field(default=8, gt=0)
+    """Adapters in one batch where LoRA runs of one base share this engine on a fleet (vLLM ``max_loras``);
+    an update holds two versions of a run's adapter for a while, so give two per run."""
+    max_lora_rank: int = Field(default=64, gt=0)
+    """Highest adapter rank such a shared engine accepts (vLLM ``max_lora_rank``); a run above it gets its own."""
 
 
 class SglangEngineConfig(Section):
