@@ -4,6 +4,13 @@
     tether plan --config cfg.yaml --learner-gpus 8 --rollout-gpus 24 one split at the rates file's rates
     tether plan --config cfg.yaml --total-gpus 64                    the split with the most samples/s
     tether plan --config cfg.yaml --learner-gpus 8 --sweep docs/plan splits × max_staleness: a table and a PNG
+    tether plan -c a.yaml -c b.yaml --learner-gpus 8,4 --rollout-gpus 16  runs sharing one rollout fleet
+
+Several ``--config`` are several runs on one rollout fleet (``tether rollout --runs a,b``,
+:mod:`tether.commands.plan.runs`): ``--rollout-gpus`` is the fleet, ``--learner-gpus`` each run's own learner
+(one number for every run, or one per run in ``--config`` order), each run's ``rollout.share`` its weight, and
+``--fleet-slots`` the groups a fleet server generates at once across the runs (the fleet config's
+``rollout.prompt_workers``); dotted overrides apply to every run. It prints a table with a row per run.
 
 ``--rates FILE`` picks the rates (default ``configs/rates/h100-7b.yaml``); dotted overrides
 (``--algorithm.max_staleness 2``) change the config as everywhere else. The weight path's flags
@@ -24,16 +31,35 @@ from tether.config import ConfigError, load_config
 
 if TYPE_CHECKING:
     from tether.commands.plan.project import Projection
+    from tether.commands.plan.rates import Rates
     from tether.commands.plan.weights import SyncCost
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="simulate the fleet: calibrate on a run, or project throughput, staleness, Redis")
-    p.add_argument("--config", "-c", metavar="FILE", help="YAML config whose protocol is simulated")
+    p.add_argument(
+        "--config",
+        "-c",
+        metavar="FILE",
+        action="append",
+        help="YAML config whose protocol is simulated; repeat it for several runs on one rollout fleet",
+    )
     p.add_argument("--from-run", metavar="RUN_DIR", help="replay a finished run and compare with what it measured")
     p.add_argument("--rates", metavar="FILE", help="rates file (default configs/rates/h100-7b.yaml)")
-    p.add_argument("--learner-gpus", type=int, help="learner GPUs")
-    p.add_argument("--rollout-gpus", type=int, help="rollout GPUs")
+    p.add_argument(
+        "--learner-gpus",
+        type=_counts,
+        metavar="N[,N...]",
+        help="learner GPUs (several --config: each run's, one number for all or one per run)",
+    )
+    p.add_argument("--rollout-gpus", type=int, help="rollout GPUs (several --config: the fleet they share)")
+    p.add_argument(
+        "--fleet-slots",
+        type=int,
+        metavar="N",
+        help="several --config: groups one rollout server generates at once across the runs (the fleet's "
+        "rollout.prompt_workers; default the rates file's max_num_seqs // the largest n)",
+    )
     p.add_argument("--total-gpus", type=int, help="find the split of this many GPUs with the most samples/s")
     p.add_argument("--learner-step", type=int, default=8, help="learner GPUs come in multiples of this (default 8)")
     p.add_argument("--sweep", metavar="OUT_DIR", help="write sweep.md and sweep.png over --ratios × --staleness")
@@ -70,6 +96,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     w.add_argument("--codec-cores", type=int, metavar="N", help="cores the encode and each decode use (default 1)")
     p.epilog = "Any further --section.key VALUE pairs override the config file."
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or comma-separated numbers, got {text!r}") from None
 
 
 def _fanout(text: str) -> int:
@@ -129,20 +162,25 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         )
         return 0
 
-    cfg = load_config(args.config, overrides)
+    configs = args.config or [None]
+    if len(configs) > 1:
+        return _plan_runs(args, overrides)
+    if args.fleet_slots is not None:
+        raise ConfigError("--fleet-slots is the shared fleet's: give it with several --config")
+    if args.learner_gpus and len(args.learner_gpus) > 1:
+        raise ConfigError(f"--learner-gpus: one number for one --config, got {len(args.learner_gpus)}")
+    learner_gpus = args.learner_gpus[0] if args.learner_gpus else None
+    cfg = load_config(configs[0], overrides)
     from tether.commands.plan.project import best_split, describe, project, sweep, sweep_plot, sweep_table
-    from tether.commands.plan.rates import load_rates, weight_path, with_weight_flags
 
-    rates = with_weight_flags(load_rates(args.rates), **_weight_flags(args))
-    print(f"rates: {rates.setting} ({args.rates or 'configs/rates/h100-7b.yaml'}; sources in the file)")
-    print(f"weight path simulated: {weight_path(rates).label()} (today's: push, full)")
+    rates = _rates(args)
     if args.sweep:
-        if not args.learner_gpus:
+        if not learner_gpus:
             raise ConfigError("--sweep needs --learner-gpus (the ratios multiply it)")
         rows = sweep(
             cfg,
             rates,
-            learner_gpus=args.learner_gpus,
+            learner_gpus=learner_gpus,
             ratios=_numbers(args.ratios, float, "--ratios"),
             staleness=_numbers(args.staleness, int, "--staleness"),
         )
@@ -168,14 +206,59 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         print(describe(best))
         _write_json(args.json, {"best": _as_json(best), "tried": [_as_json(p) for p in tried]})
         return 0
-    if not (args.learner_gpus and args.rollout_gpus):
+    if not (learner_gpus and args.rollout_gpus):
         raise ConfigError(
             "tether plan: give --from-run RUN_DIR, or --learner-gpus and --rollout-gpus, or "
             "--total-gpus, or --learner-gpus with --sweep"
         )
-    p = project(cfg, rates, learner_gpus=args.learner_gpus, rollout_gpus=args.rollout_gpus)
+    p = project(cfg, rates, learner_gpus=learner_gpus, rollout_gpus=args.rollout_gpus)
     print(describe(p))
     _write_json(args.json, _as_json(p))
+    return 0
+
+
+def _rates(args: argparse.Namespace) -> Rates:
+    from tether.commands.plan.rates import load_rates, weight_path, with_weight_flags
+
+    rates = with_weight_flags(load_rates(args.rates), **_weight_flags(args))
+    print(f"rates: {rates.setting} ({args.rates or 'configs/rates/h100-7b.yaml'}; sources in the file)")
+    print(f"weight path simulated: {weight_path(rates).label()} (today's: push, full)")
+    return rates
+
+
+def _plan_runs(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Several --config: the runs on one rollout fleet."""
+    if args.total_gpus or args.sweep:
+        raise ConfigError("several --config share one fleet: give --learner-gpus and --rollout-gpus (--total-gpus "
+                          "and --sweep take one --config)")  # fmt: skip
+    if not (args.learner_gpus and args.rollout_gpus):
+        raise ConfigError("several --config: give --learner-gpus (each run's) and --rollout-gpus (the fleet's)")
+    learner_gpus = args.learner_gpus * len(args.config) if len(args.learner_gpus) == 1 else args.learner_gpus
+    if len(learner_gpus) != len(args.config):
+        raise ConfigError(
+            f"--learner-gpus: one number for every run or one per --config ({len(args.config)}), "
+            f"got {len(learner_gpus)}"
+        )
+    if args.fleet_slots is not None and args.fleet_slots < 1:
+        raise ConfigError(f"--fleet-slots must be >= 1, got {args.fleet_slots}")
+    stems = [Path(c).stem for c in args.config]
+    names = stems if len(set(stems)) == len(stems) else [f"{i + 1}:{s}" for i, s in enumerate(stems)]
+    configs = [(name, load_config(c, overrides)) for name, c in zip(names, args.config, strict=True)]
+    from tether.commands.plan.runs import describe_runs, project_runs
+
+    rates = _rates(args)
+    p = project_runs(
+        configs, rates, learner_gpus=learner_gpus, rollout_gpus=args.rollout_gpus, capacity=args.fleet_slots
+    )
+    print(describe_runs(p))
+    r = p.result
+    runs = [
+        {"name": name, "share": share, "token_share": tokens, **_as_json(run)}
+        for name, share, run, tokens in zip(p.names, p.shares, p.runs, r.token_share, strict=True)
+    ]
+    fleet = {"rollout_gpus": args.rollout_gpus, "capacity": p.capacity, "rollout_busy": r.rollout_busy,
+             "decode_used": r.decode_used, "trajectory_mb_per_s": p.trajectory_mb_per_s}  # fmt: skip
+    _write_json(args.json, {"fleet": fleet, "runs": runs})
     return 0
 
 

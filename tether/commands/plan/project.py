@@ -26,11 +26,16 @@ GROUPS_SIMULATED = 3000
 rate at any batch size, few enough that a sweep of a large fleet takes a minute."""
 
 
-def _horizon(fleet: Fleet) -> tuple[int, int]:
+def horizon(fleet: Fleet) -> tuple[int, int]:
     """(steps, warmup): warm-up covers the versions admission lets the rollout side run ahead."""
     warmup = fleet.max_staleness + 3
     measured = min(30, max(6, -(-GROUPS_SIMULATED // fleet.train_batch_size)))
     return warmup + measured, warmup
+
+
+def seeds_for(fleets: list[Fleet]) -> int:
+    """Independent simulations a projection averages: two, one when a batch is 256 groups or more."""
+    return 2 if all(f.train_batch_size < 256 for f in fleets) else 1
 
 
 @dataclass(frozen=True)
@@ -78,8 +83,13 @@ def project(
     if max_staleness is not None:
         cfg = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"max_staleness": max_staleness})})
     fleet = fleet_for(cfg, rates, learner_gpus=learner_gpus, rollout_gpus=rollout_gpus)
-    steps, warmup = _horizon(fleet)
-    sim = simulate_mean(fleet, steps=steps, warmup=warmup, seeds=2 if fleet.train_batch_size < 256 else 1)
+    steps, warmup = horizon(fleet)
+    sim = simulate_mean(fleet, steps=steps, warmup=warmup, seeds=seeds_for([fleet]))
+    return projection(fleet, sim, rates, learner_gpus=learner_gpus, rollout_gpus=rollout_gpus)
+
+
+def projection(fleet: Fleet, sim: SimResult, rates: Rates, *, learner_gpus: int, rollout_gpus: int) -> Projection:
+    """A simulation's figures with what they imply for Redis and the weight path."""
     return Projection(
         learner_gpus=learner_gpus,
         rollout_gpus=rollout_gpus,

@@ -10,22 +10,26 @@ It follows the real processes step by step, so a prediction differs from a run o
   started (its oldest token, as the learner counts staleness).
 * **The buffer** is FIFO; **the learner** reads groups oldest first, drops (and gives back) any more than
   ``max_staleness`` behind, trains on ``B`` usable ones, and every ``sync_every`` steps publishes.
-* **Weight sync**: during an update no server starts a group and ``keep`` pauses in-flight ones for the
-  transfer (their tokens then carry the new version, the oldest still the old one); ``drain`` first lets
+* **Weight sync**: during an update no server starts a group of the run and ``keep`` pauses its in-flight ones
+  for the transfer (their tokens then carry the new version, the oldest still the old one); ``drain`` first lets
   in-flight groups finish, and the learner waits for that before the transfer.
 
 Figures are taken after ``warmup`` steps, as :mod:`tether.commands.plan.calibrate` measures a run.
+:class:`RunSim` is one run's side of all this on a set of engines; :mod:`tether.commands.plan.runs` puts several
+on one fleet's engines, each server's groups admitted by a fair-share gate (:mod:`tether.commands.plan.gate`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import simpy
 
 from tether.commands.plan.fleet import Fleet
+from tether.commands.plan.gate import Gate
 
 _EPS = 1e-9
 
@@ -35,47 +39,61 @@ class _Job:
     remaining: float
     cap: float
     done: simpy.Event
+    owner: int
 
 
 class Engine:
-    """One rollout server's decode capacity, shared equally by its groups (capped per group)."""
+    """One rollout server's decode capacity, shared equally by its groups (capped per group).
+
+    Each group belongs to a run (``owner``); a run's groups are held while its weights load (:meth:`hold`),
+    and the others share the engine meanwhile. ``tokens`` counts what each run's groups have generated."""
 
     def __init__(self, env: simpy.Environment, *, tokens_per_s: float) -> None:
         self.env, self.tokens_per_s = env, tokens_per_s
         self.jobs: list[_Job] = []
-        self.paused = False
+        self.held: set[int] = set()
         self.busy_s = 0.0
+        self.tokens: Counter[int] = Counter()
         self._wake = env.event()
         env.process(self._run())
 
-    def submit(self, tokens: float, cap: float) -> simpy.Event:
-        job = _Job(remaining=tokens, cap=cap, done=self.env.event())
+    def submit(self, tokens: float, cap: float, *, owner: int = 0) -> simpy.Event:
+        job = _Job(remaining=tokens, cap=cap, done=self.env.event(), owner=owner)
         self.jobs.append(job)
         self.kick()
         return job.done
+
+    def hold(self, owner: int) -> None:
+        self.held.add(owner)
+        self.kick()
+
+    def release(self, owner: int) -> None:
+        self.held.discard(owner)
+        self.kick()
 
     def kick(self) -> None:
         if not self._wake.triggered:
             self._wake.succeed()
 
-    def _rates(self) -> list[float]:
+    def _rates(self, jobs: list[_Job]) -> list[float]:
         # Water-filling: a group below its fair share keeps its cap; the rest share what is left.
-        order = sorted(range(len(self.jobs)), key=lambda i: self.jobs[i].cap)
-        rates, left, n = [0.0] * len(self.jobs), self.tokens_per_s, len(self.jobs)
+        order = sorted(range(len(jobs)), key=lambda i: jobs[i].cap)
+        rates, left, n = [0.0] * len(jobs), self.tokens_per_s, len(jobs)
         for k, i in enumerate(order):
             share = left / (n - k)
-            rates[i] = min(self.jobs[i].cap, share)
+            rates[i] = min(jobs[i].cap, share)
             left -= rates[i]
         return rates
 
     def _run(self):
         env = self.env
         while True:
-            if not self.jobs or self.paused:
+            active = [j for j in self.jobs if j.owner not in self.held]  # a group submitted meanwhile starts next round
+            if not active:
                 yield self._wake
                 self._wake = env.event()
                 continue
-            active, rates = list(self.jobs), self._rates()  # a group submitted meanwhile starts next round
+            rates = self._rates(active)
             dt = min(j.remaining / r for j, r in zip(active, rates, strict=True))
             t0 = env.now
             yield env.timeout(dt) | self._wake
@@ -83,6 +101,7 @@ class Engine:
             self.busy_s += elapsed
             for j, r in zip(active, rates, strict=True):
                 j.remaining -= r * elapsed
+                self.tokens[j.owner] += r * elapsed
             finished = [j for j, r in zip(active, rates, strict=True) if j.remaining <= _EPS * max(1.0, r)]
             if elapsed >= dt - _EPS and not finished:  # the timeout fired: its job is done whatever rounding says
                 finished = [min(active, key=lambda j: j.remaining)]
@@ -123,13 +142,41 @@ class _Group:
     tokens: float
 
 
-class _World:
-    def __init__(self, fleet: Fleet, rng: np.random.Generator) -> None:
-        self.f, self.rng = fleet, rng
-        self.env = env = simpy.Environment()
+@dataclass
+class _Step:
+    """One learner step as it happened."""
+
+    start: float
+    end: float
+    wait: float
+    """Waiting for data, reading included."""
+    sync: float
+    groups: int
+    staleness: Counter[int]
+    dropped: int
+    busy: float
+    """The engines' generating seconds so far, summed, at the step's end."""
+
+
+class RunSim:
+    """One run's side of the protocol on ``engines``: prompts, admission, buffer, learner, weight updates.
+
+    ``key`` tags its groups on the engines; with ``gates`` (one per engine) each group waits for its turn at
+    its server's gate before it generates, as on a fleet serving several runs."""
+
+    def __init__(
+        self,
+        env: simpy.Environment,
+        fleet: Fleet,
+        rng: np.random.Generator,
+        engines: list[Engine],
+        *,
+        key: int = 0,
+        gates: list[Gate] | None = None,
+    ) -> None:
+        self.f, self.rng, self.env, self.engines, self.key = fleet, rng, env, engines, key
         self.prompts = simpy.Store(env)
         self.buffer = simpy.Store(env)
-        self.engines = [Engine(env, tokens_per_s=fleet.server_tokens_per_s) for _ in range(fleet.servers)]
         self.version = 0
         self.issued = self.given_back = 0
         self.open = env.event()  # untriggered while a weight update holds new groups back
@@ -137,9 +184,10 @@ class _World:
         self.in_flight = 0
         self.drained = env.event()
         self.max_buffer = 0
-        for engine in self.engines:
+        self.steps: list[_Step] = []
+        for i, engine in enumerate(engines):
             for _ in range(fleet.slots_per_server):
-                env.process(self._slot(engine))
+                env.process(self._slot(engine, gates[i] if gates else None))
 
     def feed(self) -> None:
         f = self.f
@@ -148,16 +196,23 @@ class _World:
             self.prompts.put(None)
             self.issued += 1
 
-    def _slot(self, engine: Engine):
+    def _slot(self, engine: Engine, gate: Gate | None):
         f, env = self.f, self.env
         while True:
             yield self.prompts.get()
             yield self.open
+            turn = gate.turn(self.key) if gate else None
+            if turn and not turn.granted.triggered:
+                yield turn.granted
+                if not self.open.triggered:  # an update began while the group waited for its turn
+                    yield self.open
             lengths = self.f.lengths.sample(self.rng, f.n)
             version, tokens = self.version, float(lengths.sum())
             cap = f.seq_tokens_per_s * tokens / float(lengths.max())  # the longest sample sets the pace
             self.in_flight += 1
-            yield engine.submit(tokens, cap)
+            yield engine.submit(tokens, cap, owner=self.key)
+            if turn:
+                gate.release(turn, tokens)
             self.in_flight -= 1
             if self.in_flight == 0 and not self.drained.triggered:
                 self.drained.succeed()
@@ -173,83 +228,89 @@ class _World:
             self.drained = env.event()
             yield self.drained
         for e in self.engines:
-            e.paused = True
-            e.kick()
+            e.hold(self.key)
         yield env.timeout(f.sync_seconds(self.rng))
         self.version += 1
         for e in self.engines:
-            e.paused = False
-            e.kick()
+            e.release(self.key)
         self.open.succeed()
+
+    def learner(self, steps: int | None = None, on_step: Callable[[], None] | None = None):
+        """``steps`` learner steps (None: until the simulation stops), each recorded in ``self.steps``."""
+        f, env = self.f, self.env
+        step = 0
+        while steps is None or step < steps:
+            step += 1
+            t_start = env.now
+            self.feed()
+            got: list[_Group] = []
+            stale: Counter[int] = Counter()
+            dropped = 0
+            while len(got) < f.train_batch_size:
+                g = yield self.buffer.get()
+                s = self.version - g.version
+                if s > f.max_staleness:
+                    dropped += 1
+                    self.given_back += 1
+                    self.feed()
+                    continue
+                got.append(g)
+                stale[s] += 1
+            if f.read_s:
+                yield env.timeout(f.read_s)
+            t_data = env.now
+            tokens = sum(g.tokens for g in got) + f.prompt_tokens * f.n * len(got)
+            yield env.timeout(f.learner_seconds(tokens, self.rng))
+            t_sync = env.now
+            if step % f.sync_every == 0:
+                yield env.process(self.sync())
+            busy = sum(e.busy_s for e in self.engines)
+            wait, sync = t_data - t_start, env.now - t_sync
+            self.steps.append(_Step(t_start, env.now, wait, sync, len(got), stale, dropped, busy))
+            if on_step:
+                on_step()
+
+    def figures(self, first: int, last: int) -> SimResult:
+        """Figures over steps ``first + 1`` to ``last`` (1-based): from the end of step ``first`` (0: the start)."""
+        f, window = self.f, self.steps[first:last]
+        t0, busy0 = (self.steps[first - 1].end, self.steps[first - 1].busy) if first else (0.0, 0.0)
+        elapsed = window[-1].end - t0
+        trained = sum(s.groups for s in window)
+        stale: Counter[int] = Counter()
+        for s in window:
+            stale.update(s.staleness)
+        return SimResult(
+            samples_per_s=trained * f.n / elapsed,
+            steps_per_s=len(window) / elapsed,
+            learner_idle=sum(s.wait for s in window) / elapsed,
+            sync_share=sum(s.sync for s in window) / elapsed,
+            rollout_busy=(window[-1].busy - busy0) / (elapsed * f.servers),
+            staleness=dict(sorted(stale.items())),
+            dropped_stale=sum(s.dropped for s in window),
+            max_buffer_groups=self.max_buffer,
+            groups_per_s=trained / elapsed,
+            step_times=[s.end - s.start for s in window],
+        )
 
 
 def simulate(fleet: Fleet, *, steps: int = 40, warmup: int = 5, seed: int = 0) -> SimResult:
     """Run ``steps`` learner steps; figures over the steps after the first ``warmup``."""
     if steps <= warmup:
         raise ValueError(f"steps ({steps}) must exceed warmup ({warmup})")
-    f, rng = fleet, np.random.default_rng(seed)
-    w = _World(fleet, rng)
-    env = w.env
-    marks: dict[str, float] = {"wait": 0.0, "sync": 0.0}
-    stale: Counter[int] = Counter()
-    state = {"dropped": 0, "t0": 0.0, "busy0": 0.0, "trained": 0}
-    step_times: list[float] = []
-
-    def learner():
-        for step in range(1, steps + 1):
-            counting = step > warmup
-            t_start = env.now
-            w.feed()
-            got: list[_Group] = []
-            while len(got) < f.train_batch_size:
-                g = yield w.buffer.get()
-                s = w.version - g.version
-                if s > f.max_staleness:
-                    state["dropped"] += counting
-                    w.given_back += 1
-                    w.feed()
-                    continue
-                got.append(g)
-                stale[s] += counting
-            if f.read_s:
-                yield env.timeout(f.read_s)
-            t_data = env.now
-            tokens = sum(g.tokens for g in got) + f.prompt_tokens * f.n * len(got)
-            yield env.timeout(f.learner_seconds(tokens, rng))
-            t_sync = env.now
-            if step % f.sync_every == 0:
-                yield env.process(w.sync())
-            if counting:
-                marks["wait"] += t_data - t_start
-                marks["sync"] += env.now - t_sync
-                state["trained"] += len(got)
-                step_times.append(env.now - t_start)
-            if step == warmup:
-                state["t0"], state["busy0"] = env.now, sum(e.busy_s for e in w.engines)
-                stale.clear()
-
-    done = env.process(learner())
-    env.run(until=done)
-    elapsed = env.now - state["t0"]
-    busy = sum(e.busy_s for e in w.engines) - state["busy0"]
-    measured = steps - warmup
-    return SimResult(
-        samples_per_s=state["trained"] * f.n / elapsed,
-        steps_per_s=measured / elapsed,
-        learner_idle=marks["wait"] / elapsed,
-        sync_share=marks["sync"] / elapsed,
-        rollout_busy=busy / (elapsed * f.servers),
-        staleness=dict(sorted(stale.items())),
-        dropped_stale=state["dropped"],
-        max_buffer_groups=w.max_buffer,
-        groups_per_s=state["trained"] / elapsed,
-        step_times=step_times,
-    )
+    env = simpy.Environment()
+    engines = [Engine(env, tokens_per_s=fleet.server_tokens_per_s) for _ in range(fleet.servers)]
+    run = RunSim(env, fleet, np.random.default_rng(seed), engines)
+    env.run(until=env.process(run.learner(steps)))
+    return run.figures(warmup, steps)
 
 
 def simulate_mean(fleet: Fleet, *, steps: int = 40, warmup: int = 5, seeds: int = 3) -> SimResult:
     """The mean of ``seeds`` independent simulations (the staleness counts summed)."""
-    runs = [simulate(fleet, steps=steps, warmup=warmup, seed=s) for s in range(seeds)]
+    return mean_result([simulate(fleet, steps=steps, warmup=warmup, seed=s) for s in range(seeds)])
+
+
+def mean_result(runs: list[SimResult]) -> SimResult:
+    """The mean of independent simulations' figures (staleness counts and drops summed, the buffer's peak)."""
     hist: Counter[int] = Counter()
     for r in runs:
         hist.update(r.staleness)
