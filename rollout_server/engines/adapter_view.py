@@ -22,7 +22,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
 
-from rollout_server.engines.base import Chunk, Engine, EngineError, SamplingSpec
+from rollout_server.engines.base import Chunk, Engine, EngineError, ResumeEvent, SamplingSpec
 
 if TYPE_CHECKING:
     from tether.config import TetherConfig
@@ -50,16 +50,14 @@ class SharedBase:
                 await self.engine.shutdown()
 
 
-class AdapterView(Engine):
+class AdapterView(ResumeEvent, Engine):
     """One run's engine on a :class:`SharedBase`: its requests carry the run's adapter (see the module)."""
 
     def __init__(self, base: SharedBase, adapter: str) -> None:
         self.base, self.adapter = base, adapter
         self.policy_version = 0
         self._loaded = False  # the run's adapter is on the engine (after its first update)
-        self._paused = False
-        self._resumed = asyncio.Event()
-        self._resumed.set()
+        ResumeEvent.__init__(self)
         self._running = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -120,21 +118,12 @@ class AdapterView(Engine):
     async def pause(self, inflight: Literal["keep", "drain"] = "keep") -> None:
         """This run takes no new work; ``drain``: its requests in flight finish first. The other runs go on:
         an adapter update lands between two of the engine's steps (the engine's own safe point)."""
-        self._paused = True
-        self._resumed.clear()
+        self._hold()
         if inflight == "drain":
             await self._idle.wait()
 
     async def resume(self) -> None:
-        self._paused = False
-        self._resumed.set()
-
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
-    async def wait_resumed(self) -> None:
-        await self._resumed.wait()
+        self._release()
 
     @property
     def running_requests(self) -> int:

@@ -194,3 +194,26 @@ class Engine(abc.ABC):
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if token_ids else ""
+
+
+class ResumeEvent:
+    """The paused state of an engine that keeps it itself (vLLM, SGLang, a fleet's adapter views): one event,
+    cleared by :meth:`_hold` when a pause begins and set by :meth:`_release` when it ends; the prompt workers
+    wait on it (:meth:`wait_resumed`) instead of polling. Mixed in before :class:`Engine`."""
+
+    def __init__(self) -> None:
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+
+    def _hold(self) -> None:
+        self._resumed.clear()
+
+    def _release(self) -> None:
+        self._resumed.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._resumed.is_set()
+
+    async def wait_resumed(self) -> None:
+        await self._resumed.wait()

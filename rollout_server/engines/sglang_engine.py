@@ -36,6 +36,7 @@ from rollout_server.engines.base import (
     Chunk,
     Engine,
     EngineError,
+    ResumeEvent,
     SamplingSpec,
 )
 from tether.config import TetherConfig
@@ -55,7 +56,7 @@ def sample_seed(seed: int | None, index: int) -> int | None:
     return None if seed is None else (seed * 65537 + index) % 2**63
 
 
-class SglangEngine(Engine):
+class SglangEngine(ResumeEvent, Engine):
     name = "sglang"
     logprob_source = "raw"
 
@@ -69,9 +70,7 @@ class SglangEngine(Engine):
             ) from None
         self.cfg = cfg
         self.llm: Any = None
-        self._paused = False
-        self._resumed = asyncio.Event()
-        self._resumed.set()
+        ResumeEvent.__init__(self)
         self._rids: dict[str, list[str]] = {}  # tether request id -> SGLang rids of its samples
 
     @property
@@ -172,8 +171,7 @@ class SglangEngine(Engine):
     async def pause(self, inflight: Literal["keep", "drain"] = "keep") -> None:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
-        self._paused = True
-        self._resumed.clear()
+        self._hold()
         while inflight == "drain" and self._rids:
             await asyncio.sleep(0.05)
         # retract: held requests leave the running batch (their KV is recomputed on the new weights), so the
@@ -184,15 +182,7 @@ class SglangEngine(Engine):
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput
 
         await self._tm.continue_generation(ContinueGenerationReqInput())
-        self._paused = False
-        self._resumed.set()
-
-    async def wait_resumed(self) -> None:
-        await self._resumed.wait()
-
-    @property
-    def paused(self) -> bool:
-        return self._paused
+        self._release()
 
     @property
     def running_requests(self) -> int:

@@ -48,6 +48,7 @@ from rollout_server.engines.base import (
     Engine,
     EngineError,
     EngineRejected,
+    ResumeEvent,
     SamplingSpec,
 )
 from rollout_server.engines.vllm_adapters import Lora, VllmAdapters
@@ -63,7 +64,7 @@ WORKER_EXTENSION = "rollout_server.engines.vllm_worker.WeightSyncWorker"
 _FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORTED}
 
 
-class VllmEngine(Engine):
+class VllmEngine(ResumeEvent, Engine):
     name = "vllm"
     logprob_source = "processed"
 
@@ -77,9 +78,7 @@ class VllmEngine(Engine):
         self.cfg = cfg
         self.ecfg = cfg.rollout.engine
         self.llm: Any = None
-        self._paused = False
-        self._resumed = asyncio.Event()
-        self._resumed.set()
+        ResumeEvent.__init__(self)
         self._running = 0
         self.named_adapters = named_adapters
         self._named: VllmAdapters | None = None
@@ -160,8 +159,7 @@ class VllmEngine(Engine):
     ) -> AsyncIterator[Chunk]:
         if self.llm is None:
             raise EngineError("vllm engine is not running")
-        while not self._resumed.is_set():  # paused: hold new work out of the engine until resume
-            await self._resumed.wait()
+        await self.wait_resumed()  # paused: hold new work out of the engine until resume
         # vLLM refuses n > 1 with greedy sampling; greedy samples are identical, so generate one and copy it.
         copies = spec.n if spec.temperature == 0 else 1
         try:
@@ -255,21 +253,12 @@ class VllmEngine(Engine):
         (:meth:`WorkerDelivery._after_load`), a resume without a load continues on it. Each request's
         reader takes what vLLM produced before the pause on its own, and vLLM's weight label is changed
         only by a load, so no token produced before the pause is tagged with the version loaded after it."""
-        self._paused = True
-        self._resumed.clear()
+        self._hold()
         await self.llm.pause_generation(mode="keep" if inflight == "keep" else "wait", clear_cache=False)
 
     async def resume(self) -> None:
         await self.llm.resume_generation()
-        self._paused = False
-        self._resumed.set()
-
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
-    async def wait_resumed(self) -> None:
-        await self._resumed.wait()
+        self._release()
 
     @property
     def running_requests(self) -> int:
