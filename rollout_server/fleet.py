@@ -30,6 +30,8 @@ import os
 import signal
 import socket
 
+import structlog
+
 from buffer.fleets import FleetState, forget_fleet, publish_fleet
 from buffer.keys import RedisKeys
 from buffer.run_config import asking_runs, read_run_config
@@ -208,6 +210,9 @@ class Fleet:
 
     async def _slot(self, run_id: str, stop: asyncio.Event) -> int:
         """One run's slot from its published config to its end."""
+        # This task's context (a copy: the other slots keep theirs) and every task the slot starts: each of
+        # its log lines names the run, as the fleet's one log interleaves several runs.
+        structlog.contextvars.bind_contextvars(run=run_id)
         keys, said, published = RedisKeys(run_id), False, None
         while published is None and not stop.is_set():
             try:

@@ -133,6 +133,7 @@ async def serve(
             from rollout_server.worker import PromptWorker
 
             worker_task = asyncio.create_task(PromptWorker(state).run(), name="prompt-worker")
+            worker_task.add_done_callback(lambda task: _worker_ended(task, stop))
     log.info(
         "rollout_server_ready",
         address=state.address,
@@ -159,7 +160,19 @@ async def serve(
         state.sink.close()
     await engine.shutdown()
     log.info("rollout_server_stopped", server_id=server_id, generated_tokens=state.metrics.total_tokens)
-    return 0
+    return 1 if worker_task is not None and _crashed(worker_task) else 0
+
+
+def _crashed(task: asyncio.Task) -> bool:
+    return task.done() and not task.cancelled() and task.exception() is not None
+
+
+def _worker_ended(task: asyncio.Task, stop: asyncio.Event) -> None:
+    """A prompt worker that crashed stops the server (exit 1): serving on, heartbeat and all, would look
+    alive to the learner and a supervisor while generating nothing (on a fleet: that run's slot only)."""
+    if _crashed(task):
+        log.error("prompt_worker_crashed", error=repr(task.exception()))
+        stop.set()
 
 
 async def _drain(state, health, worker_task, set_serving) -> None:  # type: ignore[no-untyped-def]

@@ -28,8 +28,16 @@ import asyncio
 import contextlib
 import itertools
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+
+PAUSED_POLL_S = 0.1
+"""How often a waiter of a full gate looks again: a run whose engine paused since (a weight update) gives
+its slots back without a turn ending."""
+
+
+def _never() -> bool:
+    return False
 
 
 class RunRemoved(RuntimeError):
@@ -53,6 +61,8 @@ class _Run:
     inflight: int = 0
     removed: bool = False
     waiters: deque[_Waiter] = field(default_factory=deque)
+    paused: Callable[[], bool] = _never
+    """True while the run's engine is paused (a weight update): its turns hold no slot and it gets none."""
 
     @property
     def active(self) -> bool:
@@ -102,6 +112,13 @@ class ShareGate:
             self._runs[run_id] = _Run(run_id, float(share))
         else:
             run.share = float(share)
+
+    def watch(self, run_id: str, paused: Callable[[], bool]) -> None:
+        """``paused()``: whether the run's engine is paused now. A paused run's generations are frozen (or
+        queued) in its engine: their turns stop counting against ``capacity`` and the run is granted no new
+        one until it resumes, so a weight update that hangs stalls that run alone. (When it resumes the
+        fleet may briefly run more than ``capacity`` generations.)"""
+        self._runs[run_id].paused = paused
 
     def remove_run(self, run_id: str) -> None:
         """Forget a run that finished or died: its waiters get :class:`RunRemoved`, its turns in flight
@@ -155,7 +172,10 @@ class ShareGate:
         run.waiters.append(waiter)
         self._dispatch()
         try:
-            return await waiter.future  # already done when a slot was free: no suspension
+            while not waiter.future.done():  # done at once when a slot was free: no suspension
+                await asyncio.wait([waiter.future], timeout=PAUSED_POLL_S)
+                self._dispatch()  # a run may have paused meanwhile, its slots free
+            return waiter.future.result()
         except asyncio.CancelledError:
             self._abandon(run, waiter)
             raise
@@ -195,7 +215,7 @@ class ShareGate:
 
     def _dispatch(self) -> None:
         """Grant free slots, each to the waiting run with the smallest vtime (ties: the oldest waiter)."""
-        while self.inflight < self.capacity:
+        while self.inflight - sum(r.inflight for r in self._runs.values() if r.paused()) < self.capacity:
             run = self._next_run()
             if run is None:
                 return
@@ -210,5 +230,5 @@ class ShareGate:
             waiter.future.set_result(turn)
 
     def _next_run(self) -> _Run | None:
-        waiting = [r for r in self._runs.values() if r.waiters]
+        waiting = [r for r in self._runs.values() if r.waiters and not r.paused()]
         return min(waiting, key=lambda r: (r.vtime, r.waiters[0].seq), default=None)

@@ -85,13 +85,18 @@ def prompt_ids(req: Any, tokenizer: Any, cfg: RolloutConfig, *, vocab_size: int,
             raise BadRequest("prompt.text: empty")
         ids = encode(tokenizer, req.text)
     elif kind == "token_ids":
-        ids = list(req.token_ids.ids)
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise BadRequest(f"prompt.token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        ids = check_vocab(list(req.token_ids.ids), vocab_size=vocab_size)
     else:
         ids = encode(tokenizer, render_messages(tokenizer, req.messages.messages))
     return check_length(ids, cfg, max_model_len=max_model_len)
+
+
+def check_vocab(ids: list[int], *, vocab_size: int) -> list[int]:
+    """``ids``, each inside the vocabulary; an id outside it would fail the engine's whole batch."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequest(f"prompt.token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return ids
 
 
 def check_length(ids: list[int], cfg: RolloutConfig, *, max_model_len: int) -> list[int]:

@@ -25,7 +25,7 @@ from rollout_server.rewards import RewardError, ScoreItem, build_reward
 from rollout_server.shares import Turn
 from rollout_server.state import ServerState
 from rollout_server.trajectories import build_trajectory
-from rollout_server.validation import BadRequest, check_length, encode
+from rollout_server.validation import BadRequest, check_length, check_vocab, encode
 from tether import spans
 from tether.logs import get_logger
 from tether.resources import prompt_workers
@@ -44,6 +44,8 @@ class PromptWorker:
         self.evaluator = Evaluator(state, self.reward)  # held-out prompts, taken before training prompts
         self.groups_done = 0
         self.redis_errors = 0  # prompts abandoned to a Redis outage (each logged; the prompt is reclaimed)
+        if state.share_gate is not None:  # a paused engine (weight update) holds none of the fleet's slots
+            state.share_gate.watch(state.cfg.run.run_id or "", lambda: state.engine.paused)
 
     async def run(self) -> None:
         """Run the worker coroutines until the server drains; returns when all have finished."""
@@ -87,6 +89,8 @@ class PromptWorker:
         group_id = f"{PROMPT_GROUP_PREFIX}{entry_id}"
         try:
             ids = list(prompt.token_ids) or encode(e.tokenizer, prompt.text)
+            if prompt.token_ids:  # as the Generate RPC checks them: an id outside the vocabulary fails the batch
+                check_vocab(ids, vocab_size=s.vocab_size())
             check_length(ids, rc, max_model_len=e.max_model_len)
         except BadRequest as err:
             await self._dead_letter(entry_id, group_id, f"bad prompt: {err}", prompt.SerializeToString())

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from weight_sync.loading import LoadResult
+from weight_sync.loading import LoadResult, PartialUpdate
 
 
 def module_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -67,10 +67,19 @@ def adopt_into_module(model: torch.nn.Module, named: Sequence[tuple[str, torch.T
 @torch.no_grad()
 def copy_into_module(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy each ``(name, tensor)`` into the parameter or buffer of that name, in place, as it arrives
-    (a snapshot streams shard by shard; nothing holds the whole update)."""
+    (a snapshot streams shard by shard; nothing holds the whole update). A failure after the first copy
+    (an unknown name or shape further on, an unreadable shard) is a :class:`PartialUpdate`: the model
+    then mixes versions, and the receiver restores it from a snapshot."""
     tensors = module_tensors(model)
-    for name, tensor in named:
-        matching(tensors, name, tensor).copy_(tensor)
+    copied = 0
+    try:
+        for name, tensor in named:
+            matching(tensors, name, tensor).copy_(tensor)
+            copied += 1
+    except Exception as exc:
+        if copied:
+            raise PartialUpdate(f"{copied} tensors copied when the load failed ({exc!r})") from exc
+        raise
 
 
 def load_into_module(

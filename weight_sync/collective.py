@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from tether.logs import get_logger
 from weight_sync.buckets import Layout, empty_bucket, plan_segments, unpack
+from weight_sync.loading import PartialUpdate
 
 log = get_logger(__name__)
 
@@ -73,17 +74,6 @@ _ENV_LOCK = threading.Lock()
 
 class TransferAborted(RuntimeError):
     """The sender called this update off before the transfer began (a planned member was not ready)."""
-
-
-class PartialUpdate(RuntimeError):
-    """A streamed update failed after some of its tensors were loaded: the model holds a mix of versions.
-    The message starts with ``PARTIAL_UPDATE`` (it may cross a process boundary as text)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(f"{PARTIAL_UPDATE}: {message}")
-
-
-PARTIAL_UPDATE = "weights partially loaded"
 
 
 class StageTimeout(TimeoutError):

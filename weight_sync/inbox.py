@@ -14,7 +14,7 @@ Received buckets are loaded at commit, not as they arrive, so a transfer that fa
 leaves a model with a mix of two versions (the price: one model's worth of receive buffers). A loader that
 cannot afford that (vLLM beside its KV cache) streams instead (:meth:`Inbox.stream`): each bucket is loaded
 as it arrives, during the transfer, at most two buckets held; a transfer that fails half-way then leaves a
-mixed model (:class:`~weight_sync.collective.PartialUpdate`), which the receiver replaces from a snapshot.
+mixed model (:class:`~weight_sync.loading.PartialUpdate`), which the receiver replaces from a snapshot.
 """
 
 from __future__ import annotations

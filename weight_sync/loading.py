@@ -57,6 +57,18 @@ def inflight_message(policy: Inflight) -> control_pb2.InflightPolicy:
     raise ValueError(f"weight_sync.inflight {policy!r}: expected keep or drain")
 
 
+PARTIAL_UPDATE = "weights partially loaded"
+
+
+class PartialUpdate(RuntimeError):
+    """A streamed load failed after some of its tensors were loaded: the model holds a mix of versions (the
+    receiver replaces it from a snapshot). The message starts with :data:`PARTIAL_UPDATE` (it may cross a
+    process boundary as text)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{PARTIAL_UPDATE}: {message}")
+
+
 Named = Iterable[tuple[str, "torch.Tensor"]]
 """``(name, tensor)`` pairs: full (unsharded) tensors under the learner's (Hugging Face) names, in the
 dtype they travelled in (``weight_sync.publish_dtype`` for a collective push or the store, the learner's

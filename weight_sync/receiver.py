@@ -27,9 +27,8 @@ from tether.logs import get_logger
 from tether.trajectory import MAX_POLICY_VERSION
 from tether.v1 import control_pb2
 from weight_sync.buckets import dtype_from_name, tensor_bytes
-from weight_sync.collective import PARTIAL_UPDATE
 from weight_sync.inbox import LocalDelivery
-from weight_sync.loading import Delivery, WeightLoader, inflight_policy
+from weight_sync.loading import PARTIAL_UPDATE, Delivery, WeightLoader, inflight_policy
 from weight_sync.snapshot import latest_snapshot, snapshot_root
 
 log = get_logger(__name__)
@@ -98,6 +97,12 @@ class WeightReceiver:
                 try:
                     loaded = await self._load_snapshot(min_version=version)
                 except Exception as again:  # the snapshot would not load either: serve the old weights
+                    if PARTIAL_UPDATE in str(exc) or PARTIAL_UPDATE in str(again):  # ... if they are still whole
+                        restored = await self._restore_after_partial(version, again)
+                        raise WeightSyncError(
+                            f"update {version}: transfer failed ({exc!r}) and so did its snapshot ({again!r}), one"
+                            f" of them half-way through the load; {restored}"
+                        ) from exc
                     await self._drop(f"transfer failed: {exc!r}; snapshot failed: {again!r}")
                     raise WeightSyncError(
                         f"update {version}: transfer failed ({exc!r}) and so did its snapshot ({again!r})"

@@ -266,7 +266,8 @@ class TransformersEngine(Engine):
     # --- weights ----------------------------------------------------------------------------------
     async def load_weights(self, named: Named, *, version: int, adoptable: bool = False) -> LoadResult:
         """In place, on the engine's thread: received buffers are adopted (the parameters become views into
-        them), snapshot tensors copied; every name and shape is checked before the first one changes."""
+        them; every name and shape is checked before the first one changes), snapshot tensors copied as they
+        stream in (a failure after the first copy is a ``PartialUpdate``, which the receiver repairs)."""
         from weight_sync.adopt import load_into_module
 
         return await self._threaded(lambda: load_into_module(self.model, named, adoptable=adoptable))

@@ -63,3 +63,18 @@ def test_load_into_module_copies_what_is_not_adoptable_and_says_what_it_kept() -
     adopted = Tied()
     assert load_into_module(adopted, iter(update), adoptable=True).kept  # received buffers: adopted
     assert adopted.embed.weight.data_ptr() == flat.data_ptr() and adopted.head.weight is adopted.embed.weight
+
+
+def test_a_copy_that_fails_after_its_first_tensor_says_the_weights_are_mixed() -> None:
+    from weight_sync.adopt import copy_into_module
+    from weight_sync.loading import PARTIAL_UPDATE, PartialUpdate
+
+    model = Tied()
+    before = model.embed.weight.detach().clone()
+    with pytest.raises(KeyError):  # the first tensor is refused: nothing changed, an ordinary error
+        copy_into_module(model, [("nope", torch.zeros(4))])
+    new = torch.randn(7, 4)
+    with pytest.raises(PartialUpdate, match=PARTIAL_UPDATE):  # one tensor copied, then a wrong shape
+        copy_into_module(model, [("embed.weight", new), ("norm", torch.zeros(5, dtype=torch.bfloat16))])
+    torch.testing.assert_close(model.embed.weight, new, rtol=0, atol=0)  # what the error says: mixed
+    assert not torch.equal(before, new)

@@ -57,3 +57,44 @@ async def test_a_half_loaded_update_is_replaced_by_the_newest_snapshot(tmp_path:
     for name, param in engine.model.named_parameters():
         torch.testing.assert_close(param, dict(learner.model.named_parameters())[name], rtol=0, atol=0)
     assert not receiver._paused
+
+
+class _Broken(LocalDelivery):
+    """The transfer fails before loading anything; the receiver then falls back to the newest snapshot."""
+
+    async def start(self, plan: control_pb2.WeightUpdatePlan) -> None:
+        pass
+
+    async def finish(self, plan: control_pb2.WeightUpdatePlan, *, timeout_s: float) -> Tally:
+        raise RuntimeError("the transfer broke before its first tensor")
+
+
+async def test_a_snapshot_that_fails_half_way_is_said_to_mix_versions(tmp_path: Path, tiny_model_dir: Path) -> None:
+    # The fallback snapshot's first shard loads, its second has a tensor of the wrong shape: the model is
+    # then mixed, and no snapshot can repair it. The error must say so, not that the old weights serve on.
+    import json
+
+    from safetensors.torch import save_file
+
+    from weight_sync.snapshot import INDEX_FILE, VERSION_FILE, snapshot_dir
+
+    cfg = TetherConfig.model_validate(
+        {"weight_sync": {"transport": {"type": "filesystem", "path": str(tmp_path / "snaps")}}}
+    )
+    engine = ModelEngine.from_path(tiny_model_dir)
+    (first, param), (second, _) = list(engine.model.named_parameters())[:2]
+    folder = snapshot_dir(tmp_path / "snaps", 2)
+    folder.mkdir(parents=True)
+    save_file({first: torch.zeros_like(param)}, str(folder / "a.safetensors"))
+    save_file({second: torch.zeros(3, 3)}, str(folder / "b.safetensors"))
+    (folder / INDEX_FILE).write_text(json.dumps({"weight_map": {first: "a.safetensors", second: "b.safetensors"}}))
+    (folder / VERSION_FILE).write_text("2\n")
+    receiver = WeightReceiver(engine, cfg, delivery=_Broken(engine, cfg))
+    gloo = control_pb2.CollectiveSource(
+        backend="gloo", init_method="tcp://127.0.0.1:1", world_size=2, rank=1, group_epoch=1
+    )
+    assert (await receiver.prepare(control_pb2.WeightUpdatePlan(version=2, update_id="u2", collective=gloo))).ready
+    with pytest.raises(WeightSyncError, match=r"half-way through the load.*mix versions"):
+        await receiver.commit(control_pb2.CommitWeightUpdateRequest(update_id="u2", version=2))
+    assert engine.policy_version == 0 and not bool(param.any())  # the first shard did land: mixed, as said
+    assert not receiver._paused
