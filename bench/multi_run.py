@@ -5,15 +5,17 @@ Two figures, each over at least 3 repeats, the order alternating where there are
 - ``shares``: two runs with ``rollout.share`` 1 and 3, prompts waiting in both, one fleet process whose
   gate lets one generation run at a time. The figure is the relative error of the share-3 run's part of
   the generated tokens against its configured 0.75 (goal: at most 0.10, issue 36).
-- ``throughput``: two runs of the demo task, each under its own ``tether learner``, served either by one
-  fleet process (shared) or by one ``tether rollout`` server each (dedicated, what a user runs today);
-  every process on one thread (``OMP_NUM_THREADS=1``), so both sides have the same cores. The figure is
-  the aggregate trained samples/s, shared ÷ dedicated, twice: full fine-tuning (each run its own copy of
-  the weights: the fleet shares the process and cores, not the batches) and LoRA rank 8 on one base (one
-  engine, both runs' rows in its batches: issue 36's goal, at least 1.3×).
+- ``throughput``: ``--runs`` runs (2, or 4) of the demo task, each under its own ``tether learner``,
+  served either by one fleet process (shared) or by one ``tether rollout`` server each (dedicated, what a
+  user runs today). Each dedicated server and each learner has one thread (``OMP_NUM_THREADS=1``); the
+  fleet ``--fleet-threads`` (default 1: on a machine whose cores the learners share, more oversubscribe).
+  The figure is the aggregate trained samples/s, shared ÷ dedicated, twice: full fine-tuning (each run its
+  own copy of the weights: the fleet shares the process and cores, not the batches) and LoRA rank 8 on one
+  base (one engine, every run's rows in its batches: issue 36's goal, at least 1.3×).
 
     python bench/multi_run.py                   # both figures
     python bench/multi_run.py --part shares     # the share split only (about a minute)
+    python bench/multi_run.py --part throughput --runs 4 --kinds lora
     python bench/multi_run.py --quick           # a smoke run: fewer steps and groups
 """
 
@@ -58,13 +60,13 @@ def write_config(out: Path, model: Path, run_id: str, *, steps: int, lora: bool 
     return path
 
 
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+def _env(threads: int) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=str(threads))
 
 
-def _tether(*args: str, log: Path) -> subprocess.Popen:
+def _tether(*args: str, log: Path, threads: int = 1) -> subprocess.Popen:
     with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "tether", *args], cwd=REPO, env=_env(), stdout=out,
+        return subprocess.Popen([sys.executable, "-m", "tether", *args], cwd=REPO, env=_env(threads), stdout=out,
                                 stderr=subprocess.STDOUT)  # fmt: skip
 
 
@@ -113,26 +115,30 @@ def share_split(out: Path, model: Path, *, groups: int) -> float:
         return tokens["share-3"] / sum(tokens.values())
 
 
-def samples_per_s(metrics: Path, skip: int) -> tuple[float, float, int]:
-    """(start, end, samples) of a run's timed steps: the learner's own clock, start-up excluded."""
+def samples_per_s(metrics: Path, skip: int) -> tuple[float, float, int, float]:
+    """(start, end, samples, late reward) of a run's timed steps: the learner's own clock, start-up excluded;
+    the late reward is the mean ``reward/mean`` of its last 10 steps (the curve each side must keep)."""
     rows = [r for r in read_metrics(metrics) if r.get("reward/mean") is not None]
     if len(rows) <= skip + 1:
         raise SystemExit(f"{metrics}: too few steps to time; raise --steps")
     timed = rows[skip + 1 :]
-    return rows[skip]["time"], timed[-1]["time"], sum(int(r["data/groups"]) * GROUP for r in timed)
+    late = sum(r["reward/mean"] for r in rows[-10:]) / len(rows[-10:])
+    return rows[skip]["time"], timed[-1]["time"], sum(int(r["data/groups"]) * GROUP for r in timed), late
 
 
-def two_runs(out: Path, model: Path, *, shared: bool, steps: int, skip: int, tag: str, lora: bool) -> float:
-    """Aggregate trained samples/s of two runs served by one fleet (``shared``) or a server each."""
-    runs = [f"{tag}-a", f"{tag}-b"]
+def several_runs(out: Path, model: Path, *, n_runs: int, shared: bool, steps: int, skip: int, tag: str,
+                 lora: bool, fleet_threads: int) -> tuple[float, float]:  # fmt: skip
+    """Aggregate trained samples/s of ``n_runs`` runs served by one fleet (``shared``) or a server each, and
+    their late reward (mean over the runs)."""
+    runs = [f"{tag}-{i}" for i in range(n_runs)]
     configs = {run: write_config(out, model, run, steps=steps, lora=lora) for run in runs}
     with EmbeddedRedis(out / f"redis-{tag}") as url:
         common = ["--buffer.redis_url", url]
         if shared:
-            # the fleet's gate lets through what the two dedicated servers run together (4 prompt workers each)
+            # the fleet's gate lets through what the dedicated servers run together (4 prompt workers each)
             servers = [_tether("rollout", "--config", str(configs[runs[0]]), *common, "--runs", ",".join(runs),
-                               "--rollout.prompt_workers", "8", "--exit-when-run-ends",
-                               log=out / f"{tag}-fleet.log")]  # fmt: skip
+                               "--rollout.prompt_workers", str(4 * n_runs), "--exit-when-run-ends",
+                               log=out / f"{tag}-fleet.log", threads=fleet_threads)]  # fmt: skip
         else:
             servers = [_tether("rollout", "--config", str(configs[run]), *common, "--exit-when-run-ends",
                                log=out / f"{tag}-{run}-server.log") for run in runs]  # fmt: skip
@@ -149,8 +155,8 @@ def two_runs(out: Path, model: Path, *, shared: bool, steps: int, skip: int, tag
         if any(codes):
             raise SystemExit(f"a learner failed ({codes}); see {out}")
     spans = [samples_per_s(out / "runs" / run / "metrics.jsonl", skip) for run in runs]
-    start, end = min(s for s, _, _ in spans), max(e for _, e, _ in spans)
-    return sum(n for _, _, n in spans) / (end - start)
+    start, end = min(s[0] for s in spans), max(s[1] for s in spans)
+    return sum(s[2] for s in spans) / (end - start), sum(s[3] for s in spans) / len(spans)
 
 
 def main() -> None:
@@ -161,6 +167,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--skip", type=int, default=3, help="steps excluded from timing (start-up)")
     parser.add_argument("--groups", type=int, default=80, help="groups written per share measurement")
+    parser.add_argument("--runs", type=int, default=2, help="runs of the throughput figure (2 or 4)")
+    parser.add_argument("--kinds", default="full,lora", help="throughput figures: full, lora or both")
+    parser.add_argument("--fleet-threads", type=int, default=1, help="the shared fleet's OMP_NUM_THREADS")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.groups = 10, 24
@@ -182,27 +191,30 @@ def main() -> None:
                           baseline="the configured split (0.75 of the tokens to the run of share 3)"),
                    quick=args.quick)  # fmt: skip
         if args.part in ("all", "throughput"):
-            for lora in (False, True):
-                kind = "lora" if lora else "full"
+            for kind in args.kinds.split(","):
+                lora = kind == "lora"
                 ratios = []
                 for i in range(args.repeats):
-                    rate = {}
+                    rate, late = {}, {}
                     for mode in ordered(("dedicated", "shared"), i):
                         folder = out / f"{kind}-{mode}-{i}"
                         folder.mkdir()
-                        rate[mode] = two_runs(folder, model, shared=mode == "shared", steps=args.steps, skip=args.skip,
-                                              tag=f"{kind}-{mode}-{i}", lora=lora)  # fmt: skip
-                        print(f"{kind}, repeat {i + 1}: {mode}: {rate[mode]:.1f} samples/s (two runs together)",
-                              flush=True)  # fmt: skip
+                        rate[mode], late[mode] = several_runs(folder, model, n_runs=args.runs, steps=args.steps,
+                                                              shared=mode == "shared", skip=args.skip,
+                                                              tag=f"{kind}-{mode}-{i}", lora=lora,
+                                                              fleet_threads=args.fleet_threads)  # fmt: skip
+                        print(f"{kind}, repeat {i + 1}: {mode}: {rate[mode]:.1f} samples/s ({args.runs} runs "
+                              f"together), reward over the last 10 steps {late[mode]:.3f}", flush=True)  # fmt: skip
                     ratios.append(rate["shared"] / rate["dedicated"])
                 note = (
-                    "LoRA rank 8 on one base: the fleet loads it once and batches both runs' rows"
+                    "LoRA rank 8 on one base: the fleet loads it once and batches every run's rows"
                     if lora
                     else "full fine-tuning: each run its own weights, the fleet shares process and cores"
                 )
-                report(figure(f"multi_run/{kind}_shared_vs_dedicated", ratios, goal=1.3 if lora else None,
-                              direction="min", note=note,
-                              baseline="a rollout server per run (tether rollout), every process on one thread"),
+                report(figure(f"multi_run/{kind}_{args.runs}_runs_shared_vs_dedicated", ratios,
+                              goal=1.3 if lora else None, direction="min", note=note,
+                              baseline=f"a rollout server per run (tether rollout) on one thread each; the fleet "
+                                       f"on {args.fleet_threads}"),
                        quick=args.quick)  # fmt: skip
 
 
