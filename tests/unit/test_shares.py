@@ -387,3 +387,28 @@ async def test_stats_count_tokens_and_groups() -> None:
     assert stats["a"]["vtime"] == pytest.approx(35.0)
     # b was idle while a ran alone: it starts at a's last start (28), not at 0, then 20 tokens / share 2
     assert stats["b"]["vtime"] == pytest.approx(28.0 + 10.0)
+
+
+@bounded
+async def test_a_paused_run_holds_no_slot_and_gets_none() -> None:
+    # Run "a" takes the one slot, then its engine pauses (a weight update left hanging) with the turn still
+    # open: "b" must get the slot meanwhile, and "a" no new turn until it resumes.
+    gate = ShareGate(capacity=1)
+    paused = {"a": False}
+    gate.add_run("a", 1.0)
+    gate.add_run("b", 1.0)
+    gate.watch("a", lambda: paused["a"])
+    frozen = gate.turn("a")
+    await frozen.__aenter__()
+    paused["a"] = True
+    async with gate.turn("b") as turn:  # hangs (the test times out) if a's frozen turn holds the slot
+        turn.spend(1)
+    again = gate.turn("a")
+    waiting_a = asyncio.create_task(again.__aenter__())
+    await asyncio.sleep(0.3)  # a few of the gate's re-dispatches: none grants "a" while it is paused
+    assert not waiting_a.done()
+    paused["a"] = False
+    await frozen.__aexit__(None, None, None)
+    await asyncio.wait_for(waiting_a, timeout=2)
+    await again.__aexit__(None, None, None)
+    assert gate.inflight == 0
