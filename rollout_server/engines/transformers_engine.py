@@ -109,6 +109,11 @@ class _Row:
     generated: list[int] = field(default_factory=list)
 
 
+class _NewcomersFailed(RuntimeError):
+    """The newcomers' own forward pass failed (a prompt the model cannot take): they end aborted, and the
+    rows already running, on a fleet's shared base maybe another run's, go on."""
+
+
 class TransformersEngine(Engine):
     name = "transformers"
     logprob_source = "processed"
@@ -330,6 +335,10 @@ class TransformersEngine(Engine):
                     joining = []
                 if self._rows:
                     await self._decode()
+            except _NewcomersFailed as e:  # their own forward failed: the running batch never saw them
+                log.exception("prefill_failed", error=str(e.__cause__), requests=len(joining))
+                for req in joining:
+                    req.close(FINISH_ABORTED)
             except Exception as e:  # a backend failure fails the rows it touched, never the server
                 log.exception("batch_failed", error=str(e))
                 for req in {id(r): r for r in [*(row.req for row in self._rows), *joining]}.values():
@@ -422,7 +431,10 @@ class TransformersEngine(Engine):
         )
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         state: dict[str, Any] = {"cache": None, "ids": ids, "mask": mask, "pos": pos, "rows": rows}
-        tokens, logps = self._step_sync(state, params)
+        try:
+            tokens, logps = self._step_sync(state, params)
+        except Exception as e:  # before anything of theirs joined the running batch: it goes on without them
+            raise _NewcomersFailed from e
         self._counts.update(prefill=1, prefill_rows=len(rows))
         batch = RunningBatch(cache=state["cache"], mask=mask, pos=pos[:, -1] + 1, params=params)
         batch.last = state["next"]

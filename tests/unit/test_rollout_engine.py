@@ -337,3 +337,20 @@ async def test_a_failing_forward_aborts_its_rows_and_the_engine_serves_on(engine
     assert s.finish_reason == FINISH_ABORTED and len(s.token_ids) == 3  # what came before the failure is kept
     (t,) = await engine.generate(ids, SamplingSpec(n=1, max_tokens=5))
     assert t.finish_reason == FINISH_LENGTH and len(t.token_ids) == 5
+
+
+async def test_a_failing_prefill_aborts_only_its_newcomers(engine) -> None:
+    # A request whose own forward fails (a token id outside the vocabulary, which the server's checks would
+    # have refused) joins a running batch: it ends aborted; the running request — on a fleet's shared base
+    # maybe another run's — goes on to its last token, its log-probs unchanged.
+    engine._eos.clear()
+    prompt = engine.tokenizer("x")["input_ids"]
+    running = asyncio.create_task(engine.generate(prompt, SamplingSpec(n=1, max_tokens=60, seed=2)))
+    while not engine._rows or len(engine._rows[0].generated) < 3:
+        await asyncio.sleep(0.005)
+    (bad,) = await engine.generate([10**6], SamplingSpec(n=1, max_tokens=4))
+    assert bad.finish_reason == FINISH_ABORTED and not bad.token_ids
+    (s,) = await running
+    assert s.finish_reason == FINISH_LENGTH and len(s.token_ids) == 60
+    torch.testing.assert_close(torch.tensor(s.logprobs), forward_logprobs(engine.model, prompt, s.token_ids),
+                               atol=1e-4, rtol=1e-4)  # fmt: skip
