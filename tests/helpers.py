@@ -118,3 +118,20 @@ def processes_mentioning(needle: str, *, without: str = "") -> list[int]:
         if needle in cmdline and state != "Z" and not (without and without in cmdline):
             pids.append(int(entry.name))
     return pids
+
+
+def merged_lora_model(model_dir: Path, named, scale: float):  # type: ignore[no-untyped-def]
+    """The model at ``model_dir`` with ``W0 + scale * B @ A`` written into each weight the peft-named
+    adapter tensors ``named`` adapt (what peft's ``merge_and_unload`` computes): a test's reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tensors = dict(named)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for key, a in tensors.items():
+            if key.endswith(".lora_A.weight"):
+                stem = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                params[stem + ".weight"].add_(scale * tensors[key.replace(".lora_A.", ".lora_B.")] @ a)
+    return model

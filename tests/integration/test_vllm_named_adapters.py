@@ -118,21 +118,12 @@ def played(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> di
 
 
 def merged_model(model_dir: Path, adapter: Path | None, scale: float):
-    """The base with ``adapter`` merged (``W + scale * B @ A``), as peft's merge_and_unload computes it."""
+    """The base with ``adapter`` (a saved file) merged, as peft's merge_and_unload computes it."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if adapter is not None:
-        tensors = load_file(str(adapter))
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name, a in tensors.items():
-                if name.endswith(".lora_A.weight"):
-                    stem = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-                    b = tensors[name.replace("lora_A", "lora_B")]
-                    params[stem + ".weight"] += scale * b @ a
-    return model
+    from tests.helpers import merged_lora_model  # here: the script side of this file never needs it
+
+    return merged_lora_model(model_dir, load_file(str(adapter)) if adapter else {}, scale)
 
 
 def logprobs_of(model, prompt: list[int], completion: list[int]) -> torch.Tensor:

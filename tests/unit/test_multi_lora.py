@@ -13,6 +13,7 @@ import torch
 
 from rollout_server.engines import SamplingSpec, build_engine
 from rollout_server.engines.base import EngineError, EngineRejected
+from tests.helpers import merged_lora_model
 from tether.config import load_config
 
 SCALES = {"a": 2.0, "b": 0.5}
@@ -49,22 +50,6 @@ def _adapters(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.Tensor]
         "a": _adapter(model, 2, ("q_proj", "v_proj", "down_proj"), seed=1),
         "b": _adapter(model, 4, ("q_proj", "o_proj", "up_proj"), seed=2),
     }
-
-
-def _merged(tiny_model_dir: Path, named: list[tuple[str, torch.Tensor]], scale: float) -> torch.nn.Module:
-    """The model with ``W0 + scale * B @ A`` written into each adapted weight, computed here."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    tensors = dict(named)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for key, a in tensors.items():
-            if key.endswith(".lora_A.weight"):
-                stem = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-                b = tensors[key.replace(".lora_A.", ".lora_B.")]
-                params[stem + ".weight"].add_(scale * b @ a)
-    return model
 
 
 def _logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int]) -> torch.Tensor:
@@ -114,9 +99,9 @@ async def test_one_batch_mixes_adapters_and_each_row_matches_its_merged_model(ti
         assert sum({"a", "b", ""} <= set(r) for r in named_rows) >= 2  # the prefill and at least one decode step
         for name, samples in outs.items():
             # The rows with none: the base model, plain and the engine's own (its hooks add nothing outside a step).
-            references = [_merged(tiny_model_dir, [], 0.0), engine.model]
+            references = [merged_lora_model(tiny_model_dir, [], 0.0), engine.model]
             if name:
-                here = _merged(tiny_model_dir, adapters[name], SCALES[name])
+                here = merged_lora_model(tiny_model_dir, adapters[name], SCALES[name])
                 await merged[name].load_adapter(adapters[name], version=0, scale=SCALES[name])
                 for k, v in here.state_dict().items():
                     torch.testing.assert_close(merged[name].model.state_dict()[k], v, atol=1e-6, rtol=1e-6)
@@ -182,7 +167,7 @@ async def test_adapters_are_refused_replaced_and_removed_by_name(tiny_model_dir:
         second = await _mixed(engine, {"a": prompt, "b": prompt}, **greedy)
         assert second["a"][0].logprobs != first["a"][0].logprobs and second["a"][0].versions[0] == 2
         assert second["b"][0].token_ids == first["b"][0].token_ids and second["b"][0].logprobs == first["b"][0].logprobs
-        want = _logprobs(_merged(tiny_model_dir, fresh, 2.0), prompt, second["a"][0].token_ids)
+        want = _logprobs(merged_lora_model(tiny_model_dir, fresh, 2.0), prompt, second["a"][0].token_ids)
         torch.testing.assert_close(torch.tensor(second["a"][0].logprobs), want, atol=1e-4, rtol=1e-4)
         await engine.remove_adapter("a")
         with pytest.raises(EngineRejected, match=r"adapter 'a' is not loaded .*\['b'\]"):
