@@ -14,7 +14,8 @@ import torch
 from rollout_server.engines import SamplingSpec
 from rollout_server.engines.adapter_view import AdapterView, SharedBase
 from rollout_server.engines.base import EngineError
-from tests.unit.test_multi_lora import SCALES, _adapters, _engine, _logprobs, _merged
+from tests.helpers import merged_lora_model
+from tests.unit.test_multi_lora import SCALES, _adapters, _engine, _logprobs
 
 PROMPT = [5, 6, 7, 8]
 
@@ -37,7 +38,7 @@ async def test_each_view_generates_with_its_runs_adapter_on_one_engine(tiny_mode
         await views["a"].load_adapter(adapters["a"], version=3, scale=SCALES["a"])
         tokens, logprobs, versions = await _one(views["a"])
         assert set(versions) == {3} and logprobs != before[1]
-        want = _logprobs(_merged(tiny_model_dir, adapters["a"], SCALES["a"]), PROMPT, tokens)
+        want = _logprobs(merged_lora_model(tiny_model_dir, adapters["a"], SCALES["a"]), PROMPT, tokens)
         torch.testing.assert_close(torch.tensor(logprobs), want, atol=1e-4, rtol=0)
         assert await _one(views["b"]) == before  # run b: still the base, whatever run a loaded
 
