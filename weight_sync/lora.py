@@ -55,6 +55,21 @@ def adapter_pairs(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict[s
     return pairs
 
 
+def row_adapter_pairs(adapter: str, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    """:func:`adapter_pairs` of named adapter ``adapter``, applied per request (unmerged): lora_A/lora_B pairs
+    only, at least one; a module trained whole (``modules_to_save``) cannot be applied to some rows alone."""
+    pairs = adapter_pairs(named)
+    for weight, pair in pairs.items():
+        if "whole" in pair:
+            raise ValueError(
+                f"adapter {adapter!r} carries {weight!r} trained whole (modules_to_save), which cannot be applied"
+                " per request; only lora_A/lora_B pairs can"
+            )
+    if not pairs:
+        raise ValueError(f"adapter {adapter!r} has no lora_A/lora_B tensors")
+    return pairs
+
+
 def merge(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """``base + scale * b @ a`` in float32, returned in ``base``'s dtype. base ``[out, in]``, a ``[r, in]``,
     b ``[out, r]``."""

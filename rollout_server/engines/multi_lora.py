@@ -17,7 +17,7 @@ each forward with :meth:`RowAdapters.rows`, and outside that the hooks add nothi
 ``model(...)`` call is the model as loaded). With no adapter loaded no hook is installed at all.
 
 Adapter tensors arrive named as peft saves them; the names map to modules as on the merge path
-(:func:`weight_sync.lora.adapter_pairs`). A module trained whole (``modules_to_save``) cannot be applied
+(:func:`weight_sync.lora.row_adapter_pairs`). A module trained whole (``modules_to_save``) cannot be applied
 per row and is refused.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from weight_sync.lora import adapter_pairs
+from weight_sync.lora import row_adapter_pairs
 
 
 @dataclass
@@ -79,12 +79,7 @@ class RowAdapters:
         if not name:
             raise ValueError("a named adapter needs a non-empty name")
         pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for weight, pair in adapter_pairs(named).items():
-            if "whole" in pair:
-                raise ValueError(
-                    f"adapter {name!r} carries {weight!r} trained whole (modules_to_save), which cannot be applied"
-                    " per request; only lora_A/lora_B pairs can"
-                )
+        for weight, pair in row_adapter_pairs(name, named).items():
             module_name = weight.removesuffix(".weight")
             module = self._linear(module_name, weight)
             a, b = pair["A"], pair["B"]
@@ -95,8 +90,6 @@ class RowAdapters:
             if a.shape[0] != b.shape[1]:
                 raise ValueError(f"LoRA ranks of A {tuple(a.shape)} and B {tuple(b.shape)} differ for {weight!r}")
             pairs[module_name] = (a.to(w.device, w.dtype).clone(), b.to(w.device, w.dtype).clone())
-        if not pairs:
-            raise ValueError(f"adapter {name!r} has no lora_A/lora_B tensors")
         self._adapters[name] = _Adapter(version, float(scale), pairs)
         self._rebuild()
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rollout_server.engines.base import EngineError
-from weight_sync.lora import PREFIX, adapter_pairs
+from weight_sync.lora import PREFIX, row_adapter_pairs
 
 _MODULE = re.compile(r"\.([A-Za-z0-9_]+)\.weight$")
 
@@ -83,13 +83,10 @@ class VllmAdapters:
     ) -> Path:
         from safetensors.torch import save_file
 
-        pairs = adapter_pairs(named)
-        whole = [w for w, p in pairs.items() if "whole" in p]
-        if whole:
-            raise EngineError(
-                f"adapter {name!r} carries {whole[:3]} trained whole (modules_to_save), which vLLM cannot apply per"
-                " request; only lora_A/lora_B pairs can"
-            )
+        try:
+            pairs = row_adapter_pairs(name, named)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
         ranks = {int(p["A"].shape[0]) for p in pairs.values()}
         if len(ranks) != 1:
             raise EngineError(f"adapter {name!r} mixes ranks {sorted(ranks)}; one rank per adapter")
