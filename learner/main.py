@@ -132,6 +132,9 @@ class Learner:
         state = self.state
         log.info("learner_finished", step=state.step, version=state.version, code=code,
                  stopped_by=self.stop_signal.received)  # fmt: skip
+        # The ranks leave together: torchrun stops every rank once one exits non-zero, which would cut rank 0
+        # off while it still writes the books, the plot and why the run gave up (gave_up.txt, the error line).
+        dist.barrier()
         return code
 
     def train(self) -> int:

@@ -211,8 +211,9 @@ def test_a_learner_that_trained_then_cannot_checkpoints_on_every_rank_and_gives_
         stop.set()
         thread.join(timeout=10)
     assert proc.returncode != 0, proc.stderr[-4000:]
-    [error] = [x for x in proc.stderr.splitlines() if x.startswith("learner: error:")]
-    assert "the run cannot train" in error and "rollout.reward.address" in error
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("learner: error:")]
+    assert len(errors) == 1, proc.stderr[-6000:]
+    assert "the run cannot train" in errors[0] and "rollout.reward.address" in errors[0]
     run = tmp_path / run_id
     rows = [r for r in read_metrics(run / "metrics.jsonl") if r.get("reward/mean") is not None]
     last = rows[-1]["step"]  # 2, or a little more on groups already buffered at v1 (max_staleness 1)
