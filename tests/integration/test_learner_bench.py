@@ -50,6 +50,7 @@ def test_mfu_bench_quick_runs_on_cpu_and_refuses_a_full_run_without_a_gpu(tmp_pa
     assert [r["row"] for r in rows] == ["baseline", "no_checkpointing", "fsdp_one_rank", "baseline"]
     for r in rows:
         assert r["tokens_per_s_median"] > 0 and r["mfu"] is None and r["mfu_prime_rl"] is None
+        assert r["warmup_steps"] == 1  # eager rows: nothing to compile
     assert rows[1]["switches"]["enable_gradient_checkpointing"] is False
     assert re.search(r"no_checkpointing +\d+ \(\d+–\d+\) +\d+\.\d+x", proc.stdout), proc.stdout
     import torch
