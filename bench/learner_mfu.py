@@ -14,7 +14,10 @@ H200 (no checkpointing, 16K-token micro-batches, compile; then the fused LM head
 row runs first (the first model on a device ran at half the speed of the same row run last). Each row builds
 its model afresh, runs warm-up steps (one eager; with compile, until a step compiles no new graph: at least
 two, the second makes lengths dynamic), then ``--steps`` timed steps with CUDA synchronised; the median and
-the min–max over steps are printed. ``baseline`` runs first and again last, so drift over the run shows.
+the min–max over steps are printed. Each row draws sequences no earlier row ran, as a training run meets new
+lengths: on an H200 the first compiled row ran at 0.43× the same row run again on the same lengths, with no
+graph compiled in its timed steps — per-length caches (cuDNN's attention plans) are the likely cause, not
+confirmed. ``baseline`` runs first and again last, so drift over the run shows.
 
 MFU two ways, over the device's bf16 dense peak (``learner.telemetry.peak_flops``), N counting the tied
 embedding once: tether's ``6·N + 6·L·d·S`` per token (causal attention's score and value products at the
@@ -109,9 +112,8 @@ def compiled_graphs() -> int:
 
 
 def warm_up(trainer, batch, *, compiled: bool, max_steps: int = 6) -> int:  # type: ignore[no-untyped-def]
-    """Untimed steps until one compiles nothing new (one step when eager); how many ran. With compile, two
-    steps were not always enough: the first compiled row of an H200 run recompiled inside its timed steps
-    (19.9K tokens/s, against 46.4K for the same row run again later)."""
+    """Untimed steps until one compiles no new graph (one step when eager), so that no recompile is timed as a
+    step; how many ran."""
     for step in range(1, max_steps + 1):
         before = compiled_graphs()
         trainer.train_step(batch(10_000 + step), version=0)
@@ -120,8 +122,10 @@ def warm_up(trainer, batch, *, compiled: bool, max_steps: int = 6) -> int:  # ty
     return max_steps
 
 
-def run_row(name: str, args: argparse.Namespace, shape: dict, model_dir: str, device) -> dict:  # type: ignore[no-untyped-def]
-    """Build the model with row ``name``'s switches, warm up, time ``args.steps`` steps; the row's figures."""
+def run_row(name: str, args: argparse.Namespace, shape: dict, model_dir: str, device, *, first_seed: int = 0) -> dict:  # type: ignore[no-untyped-def]
+    """Build the model with row ``name``'s switches, warm up, time ``args.steps`` steps; the row's figures.
+    Its batches are drawn from seeds ``first_seed`` on: give each row its own, so that no row times sequence
+    lengths an earlier row already ran."""
     import gc
 
     import torch
@@ -165,7 +169,8 @@ def run_row(name: str, args: argparse.Namespace, shape: dict, model_dir: str, de
     extra = trainer.extra_forward_passes  # forward-only passes (proximal, reference): 2·N per token each
 
     def batch(seed: int):
-        return make_groups(n_groups, group_size, vocab=shape["vocab_size"], seed=seed, completion_len=seq)
+        return make_groups(n_groups, group_size, vocab=shape["vocab_size"], seed=first_seed + seed,
+                           completion_len=seq)  # fmt: skip
 
     t_warm = time.perf_counter()
     warmup_steps = warm_up(trainer, batch, compiled=switches["use_torch_compile"])
@@ -234,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from learner.distributed import cuda_allocator_defaults
     from tether.redis_server import free_port
 
     rows = [r.strip() for r in args.levers.split(",") if r.strip()]
@@ -246,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
+        cuda_allocator_defaults()  # the learner's own setting (learner.distributed)
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)  # fmt: skip
@@ -260,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             run_row("baseline", argparse.Namespace(**{**vars(args), "steps": 1, "profile_row": ""}), shape, tmp, device)
             print(f"warm-up row (baseline, discarded): {time.perf_counter() - t0:.0f} s", flush=True)
-        for name in rows:
+        for i, name in enumerate(rows, start=1):
             try:
-                row = run_row(name, args, shape, tmp, device)
+                row = run_row(name, args, shape, tmp, device, first_seed=100_000 * i)
             except Exception as e:
                 row = {"row": name, "error": f"{type(e).__name__}: {e}"[:2000]}
                 print(f"{name:<17} FAILED: {row['error']}", flush=True)

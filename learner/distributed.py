@@ -16,6 +16,16 @@ import torch.distributed as dist
 from learner.checkpoint import TrainState
 from tether.config import TetherConfig
 
+CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
+def cuda_allocator_defaults() -> None:
+    """Expandable segments for the CUDA caching allocator unless ``PYTORCH_CUDA_ALLOC_CONF`` is set (torchtitan's
+    default too): less fragmentation when packed micro-batches change size every step. On an H200 the MFU
+    bench's ``best`` row ran at 54.6K tokens/s with it and 46.4–47.2K without (one run each). Read when CUDA
+    first allocates, so called before."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
+
 
 def init_distributed(cfg: TetherConfig) -> tuple[int, int, torch.device]:
     """torchrun's environment, or a 1-process group when started without torchrun."""
@@ -31,6 +41,7 @@ def init_distributed(cfg: TetherConfig) -> tuple[int, int, torch.device]:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
+        cuda_allocator_defaults()
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     return dist.get_rank(), dist.get_world_size(), device
