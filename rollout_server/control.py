@@ -1,6 +1,8 @@
 """The learner-facing ``tether.v1.Control`` servicer: pause / resume and the weight-update stages.
 
-Pause and resume act on the engine directly. The three weight-update stages belong to
+Pause and resume act on the engine directly; a pause not followed by a resume within
+``rollout.pause_timeout_s`` ends by itself (its client may have died between the two calls). The three
+weight-update stages belong to
 ``weight_sync.receiver.WeightReceiver`` (docs/ARCHITECTURE.md), wired here to the engine: the engine is
 what it loads into (its ``load_weights``), by the delivery the engine picks (``weight_delivery``: in this
 process, or inside vLLM's workers). It is imported on the first update, so a server that is never
@@ -10,6 +12,7 @@ in-flight policy's mapping, which Pause needs) is imported here.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
@@ -37,6 +40,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self._receiver: Any = None
+        self._pause_expiry: asyncio.Task | None = None
 
     def receiver(self) -> Any:
         if self._receiver is None:
@@ -64,6 +68,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         async with self.state.rpc("Pause", context):
             policy = inflight_policy(request.inflight, self.state.cfg.weight_sync.inflight)
             await self.state.engine.pause(policy)
+            self._expire_pause_after(self.state.cfg.rollout.pause_timeout_s)
             log.info("paused", inflight=policy)
             return control_pb2.PauseResponse(
                 policy_version=self.state.engine.policy_version, inflight_requests=self.state.engine.running_requests
@@ -71,9 +76,30 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     async def Resume(self, request: control_pb2.ResumeRequest, context: grpc.aio.ServicerContext):
         async with self.state.rpc("Resume", context):
+            self._expire_pause_after(None)
             await self.state.engine.resume()
             log.info("resumed", policy_version=self.state.engine.policy_version)
             return control_pb2.ResumeResponse(policy_version=self.state.engine.policy_version)
+
+    def _expire_pause_after(self, timeout_s: float | None) -> None:
+        """(Re)start the paused server's clock, or stop it (``None``, 0: no clock)."""
+        if self._pause_expiry is not None:
+            self._pause_expiry.cancel()
+            self._pause_expiry = None
+        if timeout_s:
+            self._pause_expiry = asyncio.get_running_loop().create_task(self._expire_pause(timeout_s))
+
+    async def _expire_pause(self, timeout_s: float) -> None:
+        await asyncio.sleep(timeout_s)
+        while self._receiver is not None and self._receiver.updating:  # a weight update resumes it when it ends
+            await asyncio.sleep(1.0)
+        self._pause_expiry = None
+        engine = self.state.engine
+        if engine.paused:
+            await engine.resume()
+            self.state.metrics.pauses_expired.inc()
+            log.warning("pause_expired", after_s=timeout_s, policy_version=engine.policy_version,
+                        hint="no Resume came within rollout.pause_timeout_s; the server generates again")  # fmt: skip
 
     async def PrepareWeightUpdate(self, request: control_pb2.WeightUpdatePlan, context: grpc.aio.ServicerContext):
         async with self.state.rpc("PrepareWeightUpdate", context):

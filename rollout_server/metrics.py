@@ -46,6 +46,9 @@ class ServerMetrics:
         self.dead_lettered = Counter(
             "tether_rollout_dead_lettered", "Groups sent to the dead-letter stream", registry=r
         )
+        self.pauses_expired = Counter(
+            "tether_rollout_pauses_expired", "Pauses that ended by rollout.pause_timeout_s, not Resume", registry=r
+        )
         self.server_id = server_id
         self.total_tokens = 0
         self._rate = 0.0

@@ -50,6 +50,11 @@ class WeightReceiver:
         self._watchdog: asyncio.TimerHandle | None = None
 
     @property
+    def updating(self) -> bool:
+        """An update (or a catch-up) holds the engine paused: only it resumes the engine."""
+        return self._paused
+
+    @property
     def version(self) -> int:
         return int(self.loader.policy_version)
 

@@ -6,6 +6,7 @@ write real trajectories. Log-probs are checked against a forward pass of the sam
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -55,6 +56,8 @@ def server(tiny_model_dir: Path, redis_server: str, run_id: str, tmp_path_factor
             str(MAX_MESSAGE),
             "--rollout.episode_idle_timeout_s",
             "2",
+            "--rollout.pause_timeout_s",
+            "4",
         ],
         port=free_port(),
         log_path=tmp / "server.log",
@@ -236,3 +239,17 @@ def test_status_and_control(client: RolloutClient) -> None:
     client.resume()
     st = client.status()
     assert not st.paused and st.engine == "transformers" and st.generated_tokens > 0
+
+
+def test_a_pause_nobody_resumes_ends_by_itself(client: RolloutClient, server: ServerProcess) -> None:
+    """A client that paused the server and died: after rollout.pause_timeout_s (4 s here) the server resumes by
+    itself, says so in its log, and generates again; a Resume in time stops that clock (the test above)."""
+    client.pause("keep")
+    assert client.status().paused
+    deadline = time.monotonic() + 60
+    while client.status().paused and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not client.status().paused
+    assert "pause_expired" in server.log_path.read_text()
+    out = client.generate(text="digits:", n=1, max_tokens=4)
+    assert len(out.samples) == 1 and out.samples[0].token_ids

@@ -199,6 +199,11 @@ class RolloutConfig(Section):
     episode_idle_timeout_s: float = Field(default=300.0, gt=0)
     """An episode with no call for this long is dropped."""
 
+    pause_timeout_s: float = Field(default=600.0, ge=0)
+    """A server paused by the ``Pause`` RPC and not resumed within this long resumes by itself (logged as
+    ``pause_expired`` and counted in ``tether_rollout_pauses_expired``): a client that died between the two
+    calls does not leave it idle for good. A later ``Pause`` starts the clock again; 0 waits for ``Resume``."""
+
     heartbeat_s: float = Field(default=2.0, gt=0)
     """Interval of registry heartbeats; the entry expires after three missed beats."""
 
