@@ -6,6 +6,7 @@
   runs have ended. A third run whose config cannot be served (its model is missing) fails its slot alone:
   the other two train as if it were not there, and the fleet says which run failed.
 - A run's learner killed after its first step stalls no other run on the fleet.
+- Two fleets serving the same two runs: one SIGKILLed mid-run, both runs finish on the other.
 - ``--runs '*'``: a fleet started before any run joins the runs whose learners ask as they come, and not a
   run that has already ended.
 - Shares: two runs with ``rollout.share`` 1 and 3, prompts waiting in both, and one generation at a time
@@ -290,6 +291,76 @@ def test_a_killed_learner_stalls_no_other_run(tmp_path: Path, tiny_model_dir: Pa
     assert fleet.returncode == 0, fleet_out[-3000:]
     killed = [r for r in read_metrics(metrics) if r.get("reward/mean") is not None]
     assert 1 <= len(killed) < 1000  # run A really died mid-run
+
+
+def test_two_fleets_serve_the_same_runs_and_either_can_carry_them(
+    tmp_path: Path, tiny_model_dir: Path, redis_url: str
+) -> None:
+    # Two fleet processes serve the same two runs: each run has a slot on each fleet (two servers in its
+    # registry, both taking its weight updates). Two steps after both fleets' slots serve both runs, fleet one
+    # is SIGKILLed: the runs train to their last step on fleet two (the prompts fleet one held are claimed
+    # after buffer.claim_idle_ms), every group acknowledged once, and fleet two exits 0 by itself.
+    from buffer.fleets import live_fleets
+
+    steps, runs = 40, ["pair-a", "pair-b"]
+    configs = {run: _config(tmp_path, tiny_model_dir, run, steps=steps) for run in runs}
+    for path in configs.values():
+        cfg = yaml.safe_load(path.read_text())
+        cfg["buffer"] = {"claim_idle_ms": 3000}
+        path.write_text(yaml.safe_dump(cfg))
+    client = redis.Redis.from_url(redis_url)
+    one = _fleet(configs["pair-a"], redis_url, runs, "--rollout.server_id", "fleet-one")
+    two = _fleet(configs["pair-a"], redis_url, runs, "--rollout.server_id", "fleet-two", "--exit-when-run-ends")
+    learners = {run: _learner(configs[run], redis_url) for run in runs}
+    slots: dict[str, dict[str, str]] = {}  # fleet -> run -> its slot's server id
+    registered: dict[str, set[str]] = {run: set() for run in runs}  # run -> the servers seen in its registry
+    steps_then: dict[str, int] | None = None  # each run's steps when both fleets served both runs
+    trained: dict[str, int] = {}
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and all(p.poll() is None for p in (one, *learners.values())):
+            trained = {run: len(_steps(tmp_path / "runs" / run)) for run in runs}
+            if steps_then is None:
+                slots = {f.fleet_id: {r: v["server_id"] for r, v in f.runs.items()} for f in live_fleets(client)}
+                for run in runs:
+                    registered[run] |= {i.server_id for i in ServerRegistry(client, RedisKeys(run)).live()}
+                if all(slots.get(f, {}).get(r) in registered[r] for f in ("fleet-one", "fleet-two") for r in runs):
+                    steps_then = trained
+            elif all(trained[r] >= steps_then[r] + 2 for r in runs):
+                break
+            time.sleep(0.1)
+        one.kill()
+        one_out = one.communicate(timeout=60)[0]
+        two_out = _learners_then_fleet(learners, two)
+    finally:
+        for proc in (one, two, *learners.values()):
+            if proc.poll() is None:
+                proc.kill()
+    assert steps_then is not None and all(trained[r] < steps for r in runs), (steps_then, trained, slots)
+    assert two.returncode == 0, two_out[-3000:]
+    loaded = {e.get("run") for e in _events(one_out, "weight_update_loaded")}
+    assert set(runs) <= loaded, one_out[-3000:]  # fleet one served both runs' weight updates before it died
+    for run in runs:
+        run_dir = tmp_path / "runs" / run
+        assert [r["step"] for r in _steps(run_dir)] == list(range(1, steps + 1)), run
+        stats = json.loads((run_dir / "buffer_stats.json").read_text())
+        assert stats["buffer/acknowledged"] == steps * 4 and stats["buffer/dead_letter"] == 0, (run, stats)
+        groups = _groups(run_dir)
+        assert {g["server"] for g in groups} <= {slots["fleet-one"][run], slots["fleet-two"][run]}, run
+        assert {g["server"] for g in groups if g["step"] == steps} == {slots["fleet-two"][run]}, run
+    client.close()
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    """The run's trained steps so far (metrics.jsonl rows with a reward)."""
+    path = run_dir / "metrics.jsonl"
+    return [r for r in read_metrics(path) if r.get("reward/mean") is not None] if path.exists() else []
+
+
+def _groups(run_dir: Path) -> list[dict]:
+    """The groups the learner trained, in order (groups.jsonl)."""
+    path = run_dir / "groups.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 VLLM_FLEET = "{type: vllm, enforce_eager: true, cpu_kvcache_space_gb: 1, max_num_seqs: 16, max_lora_rank: 8}"
