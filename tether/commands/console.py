@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from buffer import RedisKeys
 from buffer.health import RunWatch
@@ -85,6 +87,9 @@ class ProgressLine:
         try:
             if self._client is None:
                 self._client = connect_redis(self.cfg.buffer.redis_url, timeout_s=0.5)
+                # One try a read: a tick must not sit through the data path's retries (about a minute when
+                # Redis hangs), since the launcher's loop and the watchdog's word wait for it.
+                self._client.set_retry(Retry(NoBackoff(), 0))
             new = Sample(self._client, self.keys)
         except Exception:
             # Anything at all (Redis down, a half-written key): the launcher's loop must keep running.
@@ -104,8 +109,11 @@ class ProgressLine:
 
     def update(self) -> None:
         with contextlib.suppress(Exception):
+            stuck = self.stall.check() if self.stall is not None else None
+            if stuck:  # first: it reads files only, and names a hung Redis without waiting on it
+                self.warn(stuck)
             text = self.line()
-            for warning in self._warnings():
+            for warning in self._run_warnings():
                 self.warn(warning)
             if self.tty:
                 pad = max(0, self._width - len(text))
@@ -140,10 +148,6 @@ class ProgressLine:
 
     def close(self) -> None:
         self.finish()
-
-    def _warnings(self) -> list[str]:
-        stuck = self.stall.check() if self.stall is not None else None
-        return ([stuck] if stuck else []) + self._run_warnings()
 
     def _run_warnings(self) -> list[str]:
         if self._redis_failures == REDIS_GRACE_TICKS:
