@@ -91,9 +91,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     async def _expire_pause(self, timeout_s: float) -> None:
         await asyncio.sleep(timeout_s)
-        while self._receiver is not None and self._receiver.updating:  # a weight update resumes it when it ends
-            await asyncio.sleep(1.0)
         self._pause_expiry = None
+        if self._receiver is not None and self._receiver.updating:
+            return  # a weight update holds the engine now, and resumes it when it ends
         engine = self.state.engine
         if engine.paused:
             await engine.resume()

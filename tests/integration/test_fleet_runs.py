@@ -114,13 +114,13 @@ def test_one_fleet_serves_two_runs_and_a_failing_run_stops_neither(
 
     for run in runs:
         run_dir = tmp_path / "runs" / run
-        rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("reward/mean") is not None]
+        rows = _steps(run_dir)
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), run
         # the run's own weight updates reached its slot: later steps trained on a later version of this run
         assert rows[0]["data/version_max"] == 0 and rows[-1]["data/version_max"] >= 1, (run, rows[-1])
         stats = json.loads((run_dir / "buffer_stats.json").read_text())
         assert stats["buffer/acknowledged"] == STEPS * 4 and stats["buffer/dead_letter"] == 0, (run, stats)
-        groups = [json.loads(line) for line in (run_dir / "groups.jsonl").read_text().splitlines()]
+        groups = _groups(run_dir)
         assert groups and {g["server"] for g in groups} == {joined[run]}, (run, groups[:2])
     client.close()
 
@@ -267,11 +267,11 @@ def test_a_killed_learner_stalls_no_other_run(tmp_path: Path, tiny_model_dir: Pa
                "alive-b": _config(tmp_path, tiny_model_dir, "alive-b")}  # fmt: skip
     fleet = _fleet(configs["killed-a"], redis_url, list(configs))
     learners = {run: _learner(cfg, redis_url, new_session=True) for run, cfg in configs.items()}
-    metrics = tmp_path / "runs" / "killed-a" / "metrics.jsonl"
+    killed_dir = tmp_path / "runs" / "killed-a"
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and learners["killed-a"].poll() is None:
-            if metrics.exists() and any(r.get("reward/mean") is not None for r in read_metrics(metrics)):
+            if _steps(killed_dir):
                 break
             time.sleep(0.2)
         os.killpg(learners["killed-a"].pid, signal.SIGKILL)
@@ -285,12 +285,9 @@ def test_a_killed_learner_stalls_no_other_run(tmp_path: Path, tiny_model_dir: Pa
         if fleet.poll() is None:
             fleet.kill()
     assert learners["alive-b"].returncode == 0, out_b[-3000:] + fleet_out[-3000:]
-    rows = read_metrics(tmp_path / "runs" / "alive-b" / "metrics.jsonl")
-    rows = [r for r in rows if r.get("reward/mean") is not None]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in _steps(tmp_path / "runs" / "alive-b")] == list(range(1, STEPS + 1))
     assert fleet.returncode == 0, fleet_out[-3000:]
-    killed = [r for r in read_metrics(metrics) if r.get("reward/mean") is not None]
-    assert 1 <= len(killed) < 1000  # run A really died mid-run
+    assert 1 <= len(_steps(killed_dir)) < 1000  # run A really died mid-run
 
 
 def test_two_fleets_serve_the_same_runs_and_either_can_carry_them(
@@ -394,6 +391,6 @@ def test_lora_runs_of_one_base_share_one_engine(
     assert sorted(e["run"] for e in joined) == list(runs) and all(e["shared_base"] for e in joined), joined
     assert len(_events(fleet_out, "engine_started")) == 1, fleet_out[-3000:]  # the base, loaded once
     for run in runs:
-        rows = [r for r in read_metrics(tmp_path / "runs" / run / "metrics.jsonl") if r.get("reward/mean") is not None]
+        rows = _steps(tmp_path / "runs" / run)
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), run
         assert rows[-1]["data/version_max"] >= 1, (run, rows[-1])  # tokens of the run's own later adapter
