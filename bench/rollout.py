@@ -54,6 +54,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import figure, ordered, report
+from tether.prompts import encode_prompt
 
 CONCURRENCY = (1, 8, 64)
 RESULT = "RESULT "  # worker stdout lines that carry an answer; anything else (library chatter) is ignored
@@ -132,7 +133,7 @@ async def versus_worker(args: argparse.Namespace) -> int:
     await engine.start()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=engine.model.dtype).to(engine.device).eval()
     tok = engine.tokenizer
-    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompt_texts(args.batch)]
+    ids = [encode_prompt(tok, p) for p in prompt_texts(args.batch)]
     spec = SamplingSpec(n=1, temperature=1.0, max_tokens=args.max_tokens)
     pad = tok.pad_token_id
     width = max(map(len, ids))
@@ -181,7 +182,7 @@ async def serve_worker(args: argparse.Namespace) -> int:
         engine = build_engine(cfg)
         await engine.start()
         spec = SamplingSpec(n=1, temperature=1.0, max_tokens=args.max_tokens)
-        ids = [engine.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        ids = [encode_prompt(engine.tokenizer, p) for p in prompts]
 
         async def call(i: int) -> int:
             (s,) = await engine.generate(ids[i % len(ids)], spec)
@@ -195,7 +196,7 @@ async def serve_worker(args: argparse.Namespace) -> int:
         from tether.client import AsyncRolloutClient
 
         tok = AutoTokenizer.from_pretrained(args.model)
-        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        ids = [encode_prompt(tok, p) for p in prompts]
         client = AsyncRolloutClient(args.address, timeout_s=600)
 
         async def call(i: int) -> int:

@@ -29,6 +29,7 @@ from pathlib import Path
 # Runs from a checkout without installing: make the repo's `tether` importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tether.prompts import encode_continuation, encode_prompt
 from tether.reward_service import RewardService, serve
 from tether.v1 import reward_pb2
 
@@ -81,10 +82,9 @@ class RewardModel(RewardService):
         self.forwards = 0
 
     def _ids(self, req: reward_pb2.ScoreRequest) -> list[int]:
-        prompt = list(req.prompt_token_ids) or self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
-        completion = (
-            list(req.completion_token_ids) or self.tokenizer(req.completion, add_special_tokens=False)["input_ids"]
-        )
+        # The prompt as the policy's servers encode one (BOS where the tokenizer adds it); the completion continues it.
+        prompt = list(req.prompt_token_ids) or encode_prompt(self.tokenizer, req.prompt)
+        completion = list(req.completion_token_ids) or encode_continuation(self.tokenizer, req.completion)
         ids = [*prompt, *completion][-self.max_length :]  # the end of a long sequence is what is judged
         if not ids:
             raise ValueError("empty prompt and completion")

@@ -2,8 +2,9 @@
 prompt-length rule (verl's ``max_prompt_length``, ``truncation``, ``filter_overlong_prompts``).
 
 A row's prompt column is a string (sent as it is) or a list of ``{role, content}`` messages, rendered
-with the policy tokenizer's chat template and the generation prompt — the text rollout servers then
-tokenize without adding special tokens, as they do every prompt. The reward context is every other
+with the policy tokenizer's chat template and the generation prompt. Rollout servers encode either text by
+the one rule of :mod:`tether.prompts` (BOS where the tokenizer adds one and the text does not already spell
+it, never a trailing EOS); the learner counts and truncates by the same rule. The reward context is every other
 column as a string (JSON for lists and structs, as verl's ``reward_model``/``extra_info``), plus
 ``answer`` (``learner.answer_key``; by default ``answer``, else ``reward_model.ground_truth``) and
 ``data_source`` (``learner.data_source_key``), the two keys scorers and evaluation read.
@@ -12,8 +13,9 @@ column as a string (JSON for lists and structs, as verl's ``reward_model``/``ext
 ``rollout.max_prompt_len`` (:attr:`TetherConfig.prompt_limit`), capped at the model's context - 1 as
 servers cap it (``model.max_model_len``, else the model config's ``max_position_embeddings``), so nothing the
 learner issues is refused for its length. Every prompt is rendered and tokenized once at start
-(:meth:`RowFormat.scan`; counted through the fast tokenizer's own ``encode_batch``, without the id and mask
-lists ``tokenizer(texts)`` builds): about 0.2 ms a GSM8K-sized row on 2 busy cores (docs/DATA.md).
+(:meth:`RowFormat.scan`; counted by :func:`tether.prompts.count_prompt_tokens` through the fast tokenizer's own
+``encode_batch``): about 0.2 ms a GSM8K-sized row on 2 busy cores (docs/DATA.md). Left truncation keeps the
+leading BOS: the prompt loses its oldest text, not the token the model expects first.
 
 The tokenizer is loaded from ``model.path`` only when a row needs it (chat messages, the length check).
 Without a model path (tools reading a dataset alone; no learner runs so) the followed limit is not checked.
@@ -30,6 +32,7 @@ import numpy as np
 
 from learner.datasets import DataError, Table
 from tether.config import TetherConfig
+from tether.prompts import count_prompt_tokens, encode_prompt, prompt_prefix, render_chat
 from tether.scorers import unrouted
 from tether.v1.trajectory_pb2 import Prompt
 
@@ -132,8 +135,7 @@ class RowFormat:
                 raise DataError(f"{self.what}: row {index}: the prompt is chat messages but the tokenizer of "
                                  f"{self.model_path} has no chat template — add one (chat_template in "
                                  "tokenizer_config.json) or give the prompts as text")  # fmt: skip
-            messages = [{"role": m["role"], "content": m["content"]} for m in value]
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return render_chat(tok, value)
         raise DataError(f"{self.what}: row {index}: {self.prompt_key!r} is {type(value).__name__}, not a string "
                          "or a list of chat messages ({role, content})")  # fmt: skip
 
@@ -150,8 +152,8 @@ class RowFormat:
         return ctx
 
     def ids(self, text: str) -> list[int]:
-        # As rollout servers encode: the chat template already spells its special tokens.
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """``text``'s ids as rollout servers encode a prompt (:func:`tether.prompts.encode_prompt`)."""
+        return encode_prompt(self.tokenizer, text)
 
     def prompt(self, row: dict[str, Any], index: int, *, prompt_id: str) -> Prompt:
         text = self.text(row, index)
@@ -160,18 +162,23 @@ class RowFormat:
         if self.max_len is not None and self.truncation != "error" and not self.filter:
             ids = self.ids(text)
             if len(ids) > self.max_len:  # only reached with truncation left/right: scan() refused the rest
-                token_ids = ids[-self.max_len :] if self.truncation == "left" else ids[: self.max_len]
+                token_ids = self.truncate(ids)
         return Prompt(prompt_id=prompt_id, dataset_index=index, text=text, token_ids=token_ids,
                       reward_context=self.context(row))  # fmt: skip
 
+    def truncate(self, ids: list[int]) -> list[int]:
+        """An overlong prompt cut to ``max_len`` on the configured side; from the left, the leading BOS (the
+        tokenizer's prompt prefix) stays and the text after it is cut."""
+        assert self.max_len is not None
+        if self.truncation != "left":
+            return ids[: self.max_len]
+        prefix = prompt_prefix(self.tokenizer)
+        keep = len(prefix) if prefix and tuple(ids[: len(prefix)]) == prefix and len(prefix) < self.max_len else 0
+        return ids[:keep] + ids[len(ids) - (self.max_len - keep) :]
+
     def lengths(self, texts: list[str]) -> list[int]:
-        """Token counts of ``texts`` as the servers encode them. A fast tokenizer's own batch encoder counts
-        without building the id and mask lists ``tokenizer(texts)`` returns (1.7x faster on GSM8K rows)."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is None:
-            return [len(x) for x in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
-        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-        return [len(e) for e in encode(texts, add_special_tokens=False)]
+        """Token counts of ``texts`` as the servers encode them (:func:`tether.prompts.count_prompt_tokens`)."""
+        return count_prompt_tokens(self.tokenizer, texts)
 
     def scan(self, table: Table, spec: str) -> tuple[np.ndarray | None, int]:
         """Check every prompt against the limit once, at start: ``(kept, overlong)`` — ``kept`` a mask of the

@@ -5,10 +5,13 @@ each with its behaviour log-prob, policy version and loss mask (environment toke
 — because re-tokenizing a transcript afterwards does not reproduce the sampled ids. With a chat prompt
 an observation becomes a message through the tokenizer's chat template: the template is rendered with
 and without the new message and the difference (plus whatever the template puts after the model's
-end-of-turn token, e.g. ChatML's newline) is appended as environment tokens. Episodes idle longer
-than ``episode_idle_timeout_s`` are dropped; later calls get NOT_FOUND. Episodes sharing ``group_id``
-are held until ``group_size`` have closed, then written as one group; a group that never fills is
-dropped after twice the idle timeout and counted (``episode_groups_incomplete`` in the buffer stats).
+end-of-turn token, e.g. ChatML's newline) is appended as environment tokens. Only the opening prompt is
+encoded as a prompt (:func:`tether.prompts.encode_prompt`: BOS where the tokenizer adds one); every
+observation continues the sequence (:func:`tether.prompts.encode_continuation`), so no BOS lands
+mid-episode. Episodes idle longer than ``episode_idle_timeout_s`` are dropped; later calls get NOT_FOUND.
+Episodes sharing ``group_id`` are held until ``group_size`` have closed, then written as one group; a
+group that never fills is dropped after twice the idle timeout and counted (``episode_groups_incomplete``
+in the buffer stats).
 Episodes are trained on, so they sample the full distribution (no top-p/top-k) and every trajectory
 records its temperature (:data:`tether.trajectory.TEMPERATURE_KEY`) for the learner.
 """
@@ -21,6 +24,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import grpc
 
@@ -29,6 +33,7 @@ from rollout_server.state import ServerState
 from rollout_server.trajectories import build_trajectory
 from rollout_server.validation import BadRequest, check_length, encode, render_messages, sampling_spec
 from tether.logs import get_logger
+from tether.prompts import encode_continuation, render_chat
 from tether.trajectory import PROMPT_GROUP_PREFIX, GroupData, TrajectoryData
 from tether.v1 import rollout_pb2, trajectory_pb2
 
@@ -53,6 +58,18 @@ class Episode:
     started_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def _stopped_on(tok: Any, ep: Episode) -> str:
+    """The text of the special token the model's last turn stopped on — ChatML's ``<|im_end|>``, Gemma's
+    ``<end_of_turn>`` (a stop id of its generation config, not its ``eos_token``) — which the record already
+    holds and the template writes again; "" when the turn ran out of tokens or ended on ordinary text."""
+    if not (ep.last_turn_stopped and ep.tokens):
+        return ""
+    last = ep.tokens[-1:]
+    if tok.decode(last, skip_special_tokens=True):  # an ordinary token: part of the message's content
+        return ""
+    return tok.decode(last, skip_special_tokens=False)
 
 
 class EpisodeStore:
@@ -118,7 +135,7 @@ class EpisodeStore:
     def _observation_ids(self, ep: Episode, req: rollout_pb2.StepRequest) -> list[int]:
         tok = self.state.engine.tokenizer
         if ep.messages is None:
-            return encode(tok, req.observation)
+            return encode_continuation(tok, req.observation)
         if not ep.turns:
             raise BadRequest(
                 "step: a chat episode's first Step takes no observation (the opening messages are the "
@@ -127,18 +144,19 @@ class EpisodeStore:
         message = {"role": req.observation_role or "user", "content": req.observation}
         if message["role"] not in {"user", "tool", "system"}:
             raise BadRequest(f"step.observation_role: {message['role']!r} is not one of user, tool, system")
-        before = tok.apply_chat_template(ep.messages, tokenize=False)
-        after = tok.apply_chat_template([*ep.messages, message], tokenize=False, add_generation_prompt=True)
+        before = render_chat(tok, ep.messages, add_generation_prompt=False)
+        after = render_chat(tok, [*ep.messages, message])
         if not after.startswith(before):
             raise BadRequest("step: this chat template re-renders earlier turns; use a text episode instead")
         # What the template writes after the model's last content that the model did not generate itself.
         last = ep.messages[-1]["content"]
         tail = before[before.rfind(last) + len(last) :]
-        eos = tok.eos_token or ""
-        if ep.last_turn_stopped and eos and tail.startswith(eos):
-            tail = tail[len(eos) :]
+        stop = _stopped_on(tok, ep)
+        if stop and tail.startswith(stop):
+            tail = tail[len(stop) :]
         ep.messages.append(message)
-        return encode(tok, tail + after[len(before) :])
+        # The difference continues the episode: the template's own <bos> sits in `before`, not here.
+        return encode_continuation(tok, tail + after[len(before) :])
 
     async def step(self, req: rollout_pb2.StepRequest) -> rollout_pb2.StepResponse:
         ep = self._get(req.episode_id)

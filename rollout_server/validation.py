@@ -14,6 +14,7 @@ import grpc
 
 from rollout_server.engines.base import SamplingSpec
 from tether.config import RolloutConfig
+from tether.prompts import encode_prompt, render_chat
 from tether.v1 import rollout_pb2
 
 
@@ -63,16 +64,14 @@ def render_messages(tokenizer: Any, messages: Sequence[Any], *, add_generation_p
     for i, m in enumerate(messages):
         if m.role not in roles:
             raise BadRequest(f"prompt.messages[{i}].role: {m.role!r} is not one of {', '.join(sorted(roles))}")
-    return tokenizer.apply_chat_template(
-        [{"role": m.role, "content": m.content} for m in messages],
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-    )
+    chat = [{"role": m.role, "content": m.content} for m in messages]
+    return render_chat(tokenizer, chat, add_generation_prompt=add_generation_prompt)
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
-    # The text of a chat template already spells its special tokens; never add BOS/EOS twice.
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    """A prompt's ids (raw text or a rendered chat template) by the one rule, :func:`tether.prompts.encode_prompt`:
+    the tokenizer's BOS where it adds one and the text does not already begin with it, never a trailing EOS."""
+    return encode_prompt(tokenizer, text)
 
 
 def prompt_ids(req: Any, tokenizer: Any, cfg: RolloutConfig, *, vocab_size: int, max_model_len: int) -> list[int]:

@@ -13,6 +13,7 @@ import pytest
 from learner.data import PromptSource
 from learner.evaluation import load_val_prompts
 from tether.config import TetherConfig
+from tether.prompts import encode_prompt
 
 QUESTIONS = [f"Tom has {i} apples and buys {i + 3} more. How many apples does he have?" for i in range(10)]
 
@@ -127,7 +128,7 @@ def test_overlong_prompts_fail_filter_or_truncate(tmp_path: Path, tiny_model_dir
         src = PromptSource(_cfg(tiny_model_dir, data_path=str(path), max_prompt_length=10, truncation=side))
         assert src.overlong == 2 and src.filtered == 0
         p = list(itertools.islice(src, 2))[1]
-        ids = tok(rows[1]["prompt"], add_special_tokens=False)["input_ids"]
+        ids = encode_prompt(tok, rows[1]["prompt"])  # as servers encode it (the tiny tokenizer adds no BOS)
         assert list(p.token_ids) == (ids[-10:] if side == "left" else ids[:10])
 
 

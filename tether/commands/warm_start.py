@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from tether.prompts import encode_continuation, encode_prompt
 from tether.tasks import demo_reward, demo_rows
 
 WARM_START_TASKS = ("addition",)
@@ -36,8 +37,9 @@ def _batch(tokenizer, rows: list[dict[str, str]]):
     eos = tokenizer.eos_token_id
     seqs, labels = [], []
     for row in rows:
-        p = tokenizer.encode(row["prompt"], add_special_tokens=False)
-        a = [*tokenizer.encode(row["answer"], add_special_tokens=False), eos]
+        # The prompt as rollout servers will encode it, so RL starts from what the warm start trained on.
+        p = encode_prompt(tokenizer, row["prompt"])
+        a = [*encode_continuation(tokenizer, row["answer"]), eos]
         seqs.append(p + a)
         labels.append([-100] * len(p) + a)
     width = max(map(len, seqs))
@@ -56,8 +58,13 @@ def heldout_accuracy(
     import torch
 
     rows = list(itertools.islice(demo_rows(task, seed=seed, split="val"), n))
-    tokenizer.padding_side = "left"
-    enc = tokenizer([r["prompt"] for r in rows], return_tensors="pt", padding=True, add_special_tokens=False)
+    prompts = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id
+    enc = {
+        "input_ids": torch.tensor([[pad] * (width - len(p)) + p for p in prompts]),
+        "attention_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]),
+    }
     torch.manual_seed(seed)
     was_training = model.training
     model.eval()
