@@ -17,9 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     args, overrides = parser.parse_known_args(argv)
     from tether.config import ConfigError, load_config
+    from tether.model_path import with_model_folder
 
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = with_model_folder(load_config(args.config, overrides))  # a .gguf or pypi: model -> its folder
     except (ConfigError, OSError) as e:
         print(f"learner: {e}", file=sys.stderr)
         return 2

