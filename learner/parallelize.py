@@ -11,7 +11,6 @@ master weights, the gradients and the optimizer state are always float32.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import sys
 
@@ -20,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from learner import fused_head, lora, ulysses, varlen_attention
+from learner.attention_check import attention_path, check_flash, check_varlen_kernel
 from tether.config import TetherConfig
 from tether.logs import get_logger
 
@@ -57,39 +57,24 @@ def attn_implementation(cfg: TetherConfig, device: torch.device) -> str:
     transformers would otherwise attend over the whole row through a ``(ΣL)²`` block-diagonal mask,
     which makes packing slower than padding. flash_attention_2 has its own varlen kernel and stays.
     With ``ulysses_sequence_parallel_size > 1`` either kernel runs inside :mod:`learner.ulysses`'s all-to-alls.
+    The checks are :mod:`learner.attention_check`'s, which ``tether up`` also makes before it starts anything.
     """
     impl = cfg.model.attn_implementation
-    if cfg.learner.ulysses_sequence_parallel_size > 1:
-        _check_flash(impl, device)
+    path = attention_path(cfg)
+    if path == "ulysses":
+        check_flash(impl, cuda=device.type == "cuda")
         return ulysses.register("flash_attention_2" if impl == "flash_attention_2" else varlen_attention.register())
-    if cfg.learner.use_remove_padding and impl in ("sdpa", "eager"):
+    if path == "varlen":
         return varlen_attention.register(varlen_kernel(cfg, device))
-    _check_flash(impl, device)
+    check_flash(impl, cuda=device.type == "cuda")
     return impl
 
 
 def varlen_kernel(cfg: TetherConfig, device: torch.device) -> str:
     """``learner.varlen_attention``, refused where it cannot run: ``torch`` needs CUDA, torch ≥ 2.10 and
     half-precision compute."""
-    want = cfg.learner.varlen_attention
     runs = varlen_attention.torch_varlen_available(device) and compute_dtype(cfg, device) != torch.float32
-    if want == "torch" and not runs:
-        raise RuntimeError(
-            "learner.varlen_attention: torch needs CUDA, torch >= 2.10 and param_dtype bfloat16 "
-            f"(device {device}, torch {torch.__version__}, param_dtype {cfg.learner.param_dtype}); use split"
-        )
-    return want
-
-
-def _check_flash(impl: str, device: torch.device) -> None:
-    if impl == "flash_attention_2":
-        if device.type != "cuda":
-            raise RuntimeError("model.attn_implementation: flash_attention_2 needs a GPU; use sdpa on CPU")
-        if importlib.util.find_spec("flash_attn") is None:
-            raise RuntimeError(
-                "model.attn_implementation: flash_attention_2 needs the flash-attn package "
-                "(pip install -e .[gpu]) — or set it to sdpa"
-            )
+    return check_varlen_kernel(cfg, runs=runs, device=str(device), torch_version=torch.__version__)
 
 
 def load_model(cfg: TetherConfig, device: torch.device) -> torch.nn.Module:

@@ -3,9 +3,10 @@
 Meant to be looked at rather than read: a title naming the run and its main settings, axis names in
 words, the reward smoothed over its raw values (a step's reward mean is a noisy estimate from one batch),
 then loss, entropy, staleness against its bound, throughput and — when the run evaluates — the
-validation curves (``val/*``). A panel appears only when it has data, and ``loss/total`` is drawn only
-where it differs from ``loss/pg`` (without KL or entropy terms they are the same curve). Both ``tether
-up`` and a learner started on its own write it at their end; failing to draw never fails a run.
+validation scores on a 0–1 axis (mean@k, pass@k, ...: :func:`validation_keys`). A panel appears only when it
+has data, and ``loss/total`` is drawn only where it differs from ``loss/pg`` (without KL or entropy terms they
+are the same curve). Both ``tether up`` and a learner started on its own write it at their end; failing to
+draw never fails a run.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Panel:
     ylabel: str
     lines: list[tuple[str, list[int], list[float], dict[str, Any]]] = field(default_factory=list)
     bound: float | None = None  # a dashed horizontal line (max_staleness)
+    ylim: tuple[float, float] | None = None  # widened to fit a value outside it (a reward above 1)
 
     def add(self, label: str, steps: list[int], values: list[float], **style: Any) -> None:
         if steps:
@@ -106,10 +108,35 @@ def _throughput(rows: Rows, cfg) -> Panel:  # type: ignore[no-untyped-def]
     return p
 
 
+ACCURACY = ("mean@k", "pass@k", "pass@1", "best@k", "reward_mean")
+"""The evaluation's scores (:mod:`learner.evaluation`), in legend order: shares and mean rewards, on 0–1."""
+PER_SOURCE_SCORES = ("mean@k", "pass@k")
+"""Of each data source, the headline scores only: five per source made a legend taller than the panel."""
+
+
+def validation_keys(rows: Rows) -> list[str]:
+    """The ``val/*`` keys the validation panel draws: the scores of :data:`ACCURACY`, then each data source's
+    :data:`PER_SOURCE_SCORES` (``val/<source>/<score>``) when there are two sources or more (with one, they
+    repeat the overall curves). Counts, latency, version and ``k`` are left out: on the same axis they
+    flattened the scores into a line at the bottom."""
+    order = {name: i for i, name in enumerate(ACCURACY)}
+    overall, per_source = [], []
+    for key in {k for r in rows for k, v in r.items() if k.startswith("val/") and v is not None}:
+        source, _, score = key.removeprefix("val/").rpartition("/")  # a source may hold a slash: openai/gsm8k
+        if score in (PER_SOURCE_SCORES if source else ACCURACY):
+            (per_source if source else overall).append((source, order[score], key))
+    keys = [k for _, _, k in sorted(overall)]
+    if len({source for source, _, _ in per_source}) >= 2:
+        keys += [k for _, _, k in sorted(per_source)]
+    return keys
+
+
 def _validation(rows: Rows, _cfg) -> Panel:  # type: ignore[no-untyped-def]
-    p = Panel("validation")
-    for key in sorted({k for r in rows for k, v in r.items() if k.startswith("val/") and v is not None}):
-        p.add(key.removeprefix("val/"), *_series(rows, key), marker="o", markersize=3)
+    p = Panel("validation\n(score)", ylim=(0.0, 1.0))
+    for key in validation_keys(rows):
+        steps, values = _series(rows, key)
+        style = {"linestyle": "--", "linewidth": 1} if "/" in key.removeprefix("val/") else {}
+        p.add(key.removeprefix("val/"), steps, values, marker="o", markersize=3, **style)
     return p
 
 
@@ -150,10 +177,15 @@ def plot_metrics(metrics_path: str | Path, out_png: str | Path, *, cfg=None) -> 
             ax.plot(steps, values, label=label, **style)
         if panel.bound is not None:
             ax.axhline(panel.bound, color="gray", linestyle="--", linewidth=1, label="max_staleness")
+        if panel.ylim is not None:
+            values = [v for line in panel.lines for v in line[2]]
+            low, high = min([panel.ylim[0], *values]), max([panel.ylim[1], *values])
+            margin = 0.03 * (high - low)  # a marker at 1.0 is drawn whole
+            ax.set_ylim(low - margin, high + margin)
         ax.set_ylabel(panel.ylabel)
         ax.grid(alpha=0.3)
         if len(ax.get_lines()) > 1:
-            ax.legend(fontsize=7, loc="best")
+            ax.legend(fontsize=7, loc="best", ncol=1 + len(ax.get_lines()) // 7)
     axes[-1, 0].set_xlabel("learner step")
     fig.suptitle(title_for(cfg), fontsize=10)
     fig.tight_layout()

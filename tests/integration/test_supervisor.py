@@ -127,3 +127,89 @@ def test_a_child_that_gave_up_is_not_restarted_and_its_reason_ends_the_run(tmp_p
     assert info.value.reason == "the run cannot train: check rollout.max_prompt_len" and info.value.restarts == 0
     assert "rollout.max_prompt_len" in str(info.value) and lives.read_text() == "x"
     sup.stop_all()
+
+
+def _life_script(lives: Path, body: str) -> list[str]:
+    """A child that counts its lives in ``lives`` and then runs ``body`` (``n`` is this life's number, from 0)."""
+    return [sys.executable, "-c", f"import pathlib, sys, time; l = pathlib.Path({str(lives)!r}); "
+            "n = len(l.read_text()) if l.exists() else 0; l.write_text('x' * (n + 1)); " + body]  # fmt: skip
+
+
+def _steps(path: Path):  # the progress a test child reports: the file's text, as the learner's last step
+    return lambda: path.read_text() if path.exists() else ""
+
+
+def test_a_child_that_fails_at_start_the_same_way_twice_is_not_started_a_third_time(tmp_path: Path) -> None:
+    """A learner whose model cannot load: the first death may be bad luck, the second one the same (a different
+    pid and address in the message) is not; the run ends after two lives, not ``1 + max_restarts``."""
+    lives, steps = tmp_path / "lives", tmp_path / "steps"
+    body = ("raise RuntimeError(f'model.attn_implementation: flash_attention_2 needs a GPU (pid {12345 + n}, "
+            "at 0x7f{n}a2c); use sdpa on CPU')")  # fmt: skip
+    sup = Supervisor(grace_s=5, max_restarts=3, backoff_s=0.05)
+    sup.start(ChildSpec("learner", _life_script(lives, body), tmp_path / "learner.out", primary=True,
+                        restartable=True, progress=_steps(steps)))  # fmt: skip
+    with pytest.raises(ChildFailed) as info:
+        sup.wait()
+    assert lives.read_text() == "xx" and info.value.repeated and info.value.restarts == 1
+    assert info.value.error.startswith("RuntimeError: model.attn_implementation: flash_attention_2 needs a GPU")
+    assert "not started again" in str(info.value) and "Traceback" not in str(info.value)
+    sup.stop_all()
+
+
+def test_a_child_that_got_going_keeps_the_restart_policy(tmp_path: Path) -> None:
+    """The same error every time, but each life made a step first: a crash mid-run may not come back, so every
+    restart of ``run.max_restarts`` is made."""
+    lives, steps = tmp_path / "lives", tmp_path / "steps"
+    body = f"pathlib.Path({str(steps)!r}).write_text(str(n + 1)); raise MemoryError('CUDA out of memory')"
+    sup = Supervisor(grace_s=5, max_restarts=2, backoff_s=0.05)
+    sup.start(ChildSpec("learner", _life_script(lives, body), tmp_path / "learner.out", primary=True,
+                        restartable=True, progress=_steps(steps)))  # fmt: skip
+    with pytest.raises(ChildFailed) as info:
+        sup.wait()
+    assert lives.read_text() == "xxx" and not info.value.repeated and info.value.restarts == 2
+    assert info.value.error == "MemoryError: CUDA out of memory" and "run.max_restarts" in str(info.value)
+    sup.stop_all()
+
+
+def test_a_child_that_fails_at_start_for_a_new_reason_is_restarted(tmp_path: Path) -> None:
+    """Each life dies at start, each with another error (Redis not up yet, then a port taken, ...): restarts go
+    on to the limit, since the next life may well start."""
+    lives = tmp_path / "lives"
+    body = "raise ConnectionError(['redis refused', 'port taken', 'engine busy'][n])"
+    sup = Supervisor(grace_s=5, max_restarts=2, backoff_s=0.05)
+    sup.start(ChildSpec("rollout-0", _life_script(lives, body), tmp_path / "rollout-0.out", restartable=True,
+                        progress=lambda: 0))  # fmt: skip
+    with pytest.raises(ChildFailed) as info:
+        sup.wait()
+    assert lives.read_text() == "xxx" and info.value.error == "ConnectionError: engine busy"
+    sup.stop_all()
+
+
+TORCHRUN_FAILS = """
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    raise RuntimeError("learner.use_liger needs a GPU (Liger kernels are Triton); set it to false on CPU")
+dist.barrier()
+"""
+
+
+@pytest.mark.slow
+def test_a_torchrun_child_that_fails_at_start_ends_with_its_ranks_error(tmp_path: Path) -> None:
+    """The learner's shape for real: torchrun with two ranks, rank 0 failing at start. Two lives, and the error
+    is rank 0's own line — not torchrun's ``ChildFailedError`` banner, nor rank 1's lost connection."""
+    script = tmp_path / "fails.py"
+    script.write_text(TORCHRUN_FAILS)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    log = tmp_path / "learner.out"
+    sup = Supervisor(grace_s=5, max_restarts=3, backoff_s=0.05)
+    sup.start(ChildSpec("learner", cmd, log, primary=True, restartable=True, progress=lambda: None))
+    with pytest.raises(ChildFailed) as info:
+        sup.wait()
+    sup.stop_all()
+    message = str(info.value)
+    assert info.value.repeated and info.value.restarts == 1, message
+    assert log.read_text().count("Root Cause") == 2  # two lives of torchrun, each with its banner
+    assert info.value.error == "RuntimeError: " + TORCHRUN_FAILS.split('RuntimeError("')[1].split('")')[0]
+    assert "ChildFailedError" not in message and "Root Cause" not in message

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import processes_mentioning
-from tests.integration.test_up import REPO, write_config
+from tests.integration.test_up import REPO, _summary, write_config
 from tether.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -62,3 +62,35 @@ def test_killed_children_are_restarted_and_the_run_finishes(tmp_path: Path, tiny
     books = json.loads((run_dir / "buffer_stats.json").read_text())["books"]["run"]
     assert books["balanced"], books
     assert books["acknowledged"] >= STEPS * 4  # steps after the last checkpoint were trained again
+
+
+def test_a_learner_that_fails_at_start_the_same_way_twice_ends_the_run_with_its_own_error(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A learner that cannot start (here ``learner.use_liger`` on a CPU: refused as the model is set up, inside
+    torchrun) used to be restarted three times, 90 s, and the console then showed torchrun's ``ChildFailedError``
+    banner. Now the second life failing the same way ends the run, and the console and the summary show the
+    rank's own error line."""
+    cfg = write_config(tmp_path, tiny_model_dir, run_id="cannot-start")
+    run_dir = tmp_path / "runs" / "cannot-start"
+    result = subprocess.run(
+        [sys.executable, "-m", "tether", "up", "--config", str(cfg), "--learner.use_liger", "true",
+         "--run.max_restarts", "3", "--run.restart_backoff_s", "0.5", "--rollout.num_servers", "1"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    out = result.stdout
+    assert result.returncode == 1, out[-3000:]
+    cause = "RuntimeError: learner.use_liger needs a GPU (Liger kernels are Triton); set it to false on CPU"
+    [error] = [line for line in out.splitlines() if line.startswith("tether: error:")]
+    assert "learner failed before it got going, the same way as in its previous life" in error, error
+    assert error.endswith(f"{cause} (see {run_dir / 'logs' / 'learner.out'})"), error
+    assert "ChildFailedError" not in out and "Root Cause" not in out  # torchrun's banner stays in the log
+    assert (run_dir / "logs" / "learner.out").read_text().count("Root Cause") == 2  # two lives, not four
+    assert out.count("child_restarted") == 1
+    summary = _summary(out)
+    assert (
+        "failed (learner failed at start twice the same way)" in summary and "before its first learner step" in summary
+    )
+    assert f"learner's last error: {cause}" in summary
+    assert processes_mentioning(str(run_dir)) == []

@@ -14,10 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-from tether.commands.console import ProgressLine, step_interval, summary_lines
+from tether.commands.console import GenRate, ProgressLine, step_interval, summary_lines
 from tether.config import TetherConfig
 from tether.metrics import JsonlMetrics, read_metrics
-from tether.plots import panels_for, plot_metrics, title_for
+from tether.plots import panels_for, plot_metrics, title_for, validation_keys
 from tether.redis_server import free_port
 from tether.runs import run_paths
 
@@ -121,10 +121,10 @@ def test_plot_panels_titles_and_no_duplicate_loss(tmp_path: Path) -> None:
     assert "console" in title_for(cfg) and "max_staleness" in title_for(cfg)
 
     sink = JsonlMetrics(metrics)
-    sink.log({"val/reward_mean": 0.4, "val/pass@k": 0.5}, step=30)
+    sink.log({"val/reward_mean": 0.4, "val/pass@k": 0.5, "val/prompts": 64.0}, step=30)
     sink.close()
     _write_steps(tmp_path / "kl.jsonl", range(1, 5), kl=True)
-    panels = {p.ylabel: p for p in panels_for(read_metrics(metrics), cfg)}
+    panels = {p.ylabel.split("\n")[0]: p for p in panels_for(read_metrics(metrics), cfg)}
     assert [line[0] for line in panels["validation"].lines] == ["pass@k", "reward_mean"]
     loss = next(p for p in panels_for(read_metrics(tmp_path / "kl.jsonl"), cfg) if p.ylabel == "loss")
     assert [line[0] for line in loss.lines] == ["total loss", "policy-gradient loss"]
@@ -158,3 +158,86 @@ def test_on_a_terminal_one_live_line_and_warnings_above_it(tmp_path: Path) -> No
     assert cleared.endswith("\r" + " " * len("redis: unreachable"))  # the live line was blanked first
     assert shown.startswith("tether: warning: Redis at")
     assert text.endswith("\n")  # the shell prompt starts on a line of its own
+
+
+def _eval_row(step: int, sources: tuple[str, ...]) -> dict:
+    """A round's row as :func:`learner.evaluation.summarize` and ``per_source`` write it (and the evaluator's
+    ``val/version`` and ``val/latency_s``), at 64 prompts of k=4."""
+    from buffer.validation import ValResult
+    from learner.evaluation import summarize, summarize_by_source
+    from tether.v1.trajectory_pb2 import Prompt
+
+    results = [ValResult(round=step, index=i, version=step, rewards=[float(j * 10 + i % 10 < step) for j in range(4)],
+                         tokens=32, versions=[step] * 4) for i in range(64)]  # fmt: skip
+    prompts = [Prompt(prompt_id=f"val{i}") for i in range(64)]
+    for i, prompt in enumerate(prompts):
+        if sources:
+            prompt.reward_context["data_source"] = sources[i % len(sources)]
+    row = {"step": step, "time": T0 + step, **summarize(results, k=4, expected=64)}
+    row.update(summarize_by_source(results, prompts, k=4))
+    row.update({"val/version": float(step), "val/latency_s": 12.5})
+    return row
+
+
+def test_the_validation_panel_draws_the_scores_only_on_a_0_to_1_axis(tmp_path: Path) -> None:
+    """Every ``val/*`` key on one axis put ``val/prompts`` (64) and the latency at the top and the scores in a
+    flat line at the bottom: the panel has the scores only, and its axis spans 0–1."""
+    cfg = _cfg(tmp_path)
+    one = [_eval_row(s, ("charclass",)) for s in (0, 10, 20, 30)]
+    assert {"val/prompts", "val/k", "val/latency_s", "val/version", "val/tokens_mean"} <= set(one[0])
+    assert validation_keys(one) == ["val/mean@k", "val/pass@k", "val/pass@1", "val/best@k", "val/reward_mean"]
+    two = [_eval_row(s, ("openai/gsm8k", "charclass")) for s in (0, 10, 20, 30)]
+    keys = validation_keys(two)
+    assert keys[5:] == [
+        "val/charclass/mean@k",
+        "val/charclass/pass@k",
+        "val/openai/gsm8k/mean@k",
+        "val/openai/gsm8k/pass@k",
+    ]  # each source's headline scores, a source with a slash too
+    assert not any(k.endswith(("/prompts", "/missing", "/k", "/version", "/latency_s")) for k in keys)
+
+    metrics = tmp_path / "val.jsonl"
+    _write_steps(metrics, range(1, 31))
+    with metrics.open("a") as f:
+        f.writelines(json.dumps(row) + "\n" for row in two)
+    rows = read_metrics(metrics)
+    panel = next(p for p in panels_for(rows, cfg) if p.ylabel.startswith("validation"))
+    assert panel.ylim == (0.0, 1.0) and [line[0] for line in panel.lines] == [k[4:] for k in keys]
+    assert all(0.0 <= v <= 1.0 for line in panel.lines for v in line[2])
+    png = plot_metrics(metrics, tmp_path / "curves.png", cfg=cfg)
+    assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gen_rate_is_true_when_tokens_come_in_bursts() -> None:
+    """Groups land in bursts (1,000 tokens every 10 s) and the learner's step comes 4 s after each burst: read
+    once a second, the rate over the last second was 0 at every step (what the console printed all run long);
+    over the window it is the true 100 tok/s."""
+    gen = GenRate(min_window_s=30.0)
+    tokens, step, at_steps = 0, 0, []
+    for t in range(0, 121):
+        if t % 10 == 5:
+            tokens += 1000
+        if t % 10 == 9:
+            step += 1
+        rate = gen.add(float(t), float(tokens), str(step))
+        if t % 10 == 9 and t > 40:
+            at_steps.append(rate)
+    assert at_steps and all(90 <= r <= 110 for r in at_steps), at_steps
+    # Steps slower than the window (a burst a minute): the window covers whole steps, never 0 at a step.
+    gen, tokens, step, at_steps = GenRate(min_window_s=30.0), 0, 0, []
+    for t in range(0, 601):
+        tokens += 6000 if t % 60 == 5 else 0
+        step += t % 60 == 50
+        rate = gen.add(float(t), float(tokens), str(step))
+        if t % 60 == 50 and t > 200:
+            at_steps.append(rate)
+    assert at_steps and all(r > 50 for r in at_steps), at_steps
+    assert GenRate().add(0.0, 5.0, "-") is None  # one reading says nothing yet
+
+
+def test_summary_of_a_failed_run_names_the_childs_own_error(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    error = "RuntimeError: learner.use_liger needs a GPU (Liger kernels are Triton); set it to false on CPU"
+    lines = summary_lines(cfg, run_paths(cfg).make(), outcome="failed (learner failed at start twice the same way)",
+                          started=time.time(), error=("learner", error))  # fmt: skip
+    assert "before its first learner step" in lines[0] and lines[1] == f"learner's last error: {error}"

@@ -15,6 +15,7 @@ import contextlib
 import json
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -24,7 +25,7 @@ from redis.retry import Retry
 
 from buffer import RedisKeys
 from buffer.health import RunWatch
-from tether.commands.sample import Sample, fmt, rate, recent_staleness
+from tether.commands.sample import Sample, fmt, recent_staleness
 from tether.commands.watchdog import Watchdog
 from tether.config import TetherConfig
 from tether.logs import get_logger
@@ -46,6 +47,42 @@ def step_interval(total_steps: int, *, lines: int = 15) -> int:
             if total_steps / n <= lines:
                 break
     return n
+
+
+class GenRate:
+    """Generated tokens per second (the buffer's ``tokens`` counter, which every engine feeds through the
+    servers' trajectory writer) over a trailing window of at least ``min_window_s`` and at least the last
+    whole learner step, at most ``max_window_s``.
+
+    The counter moves in bursts: a group is written when its last sample finishes, and an engine that
+    generates a batch at a time writes its groups together. The console used to divide the last second's
+    difference, and a step line is printed in the second the learner's row lands — while it trains on
+    groups written earlier — so with learner steps over a second long every step line read ``gen 0 tok/s``
+    (a whole run of a 270M model on the transformers engine)."""
+
+    def __init__(self, *, min_window_s: float = 30.0, max_window_s: float = 600.0) -> None:
+        self.min_window_s, self.max_window_s = min_window_s, max_window_s
+        self._points: deque[tuple[float, float]] = deque()  # (monotonic time, tokens)
+        self._steps: deque[tuple[float, str]] = deque(maxlen=3)  # when each of the last steps was first seen
+
+    def add(self, now: float, tokens: float, step: str) -> float | None:
+        """Record a reading; the rate over the window ending now (None until there are two readings)."""
+        if not self._steps or self._steps[-1][1] != step:
+            self._steps.append((now, step))
+        self._points.append((now, tokens))
+        while self._points and self._points[0][0] < now - self.max_window_s:
+            self._points.popleft()
+        window = self.min_window_s
+        if len(self._steps) >= 3:  # from the start of the step before the last one: a whole step, at least
+            window = max(window, now - self._steps[-3][0])
+        base = self._points[0]
+        for point in self._points:  # the newest reading at least ``window`` old, else the oldest there is
+            if point[0] > now - window:
+                break
+            base = point
+        if now <= base[0]:
+            return None
+        return max(0.0, tokens - base[1]) / (now - base[0])
 
 
 class ProgressLine:
@@ -75,6 +112,7 @@ class ProgressLine:
         self._offset = metrics_path.stat().st_size if metrics_path is not None and metrics_path.exists() else 0
         self._client: redis.Redis | None = None
         self._last: Sample | None = None
+        self._gen = GenRate()
         self._gen_rate: float | None = None
         self._width = 0
         self._last_plain = time.monotonic()
@@ -99,7 +137,7 @@ class ProgressLine:
         self._redis_failures = 0
         old, self._last = self._last, new
         s = new.stats
-        self._gen_rate = rate(new, old, "buffer/tokens")
+        self._gen_rate = self._gen.add(new.time, new.stats["buffer/tokens"], new.learner_str("step"))
         return (
             f"step {new.learner_str('step')} | v{new.version} | "
             f"reward {fmt(new.learner_float('reward_mean'), '.3f')} | "
@@ -233,9 +271,17 @@ def _isatty(out: TextIO) -> bool:
         return False
 
 
-def summary_lines(cfg: TetherConfig, paths: RunPaths, *, outcome: str, started: float) -> list[str]:
+def summary_lines(
+    cfg: TetherConfig,
+    paths: RunPaths,
+    *,
+    outcome: str,
+    started: float,
+    error: tuple[str, str | None] | None = None,
+) -> list[str]:
     """The run in a few lines: how it ended, steps, reward first → last, samples/s, wall time, where things
-    are. ``started`` is the wall-clock start of this lifetime (earlier lifetimes' rows are not counted)."""
+    are. ``started`` is the wall-clock start of this lifetime (earlier lifetimes' rows are not counted);
+    ``error``: the child that ended a failed run and its own last error line."""
     wall = time.time() - started
     rows = _rows_since(paths.metrics, started)
     head = f"run {cfg.run.run_id} {outcome} after {_duration(wall)}"
@@ -258,6 +304,8 @@ def summary_lines(cfg: TetherConfig, paths: RunPaths, *, outcome: str, started: 
         stale = [r["staleness/mean"] for r in rows if r.get("staleness/mean") is not None]
         mean_stale = f", staleness mean {sum(stale) / len(stale):.2f}" if stale else ""
         lines.append(f"throughput {speed} trained ({samples:.0f} samples in {_duration(span)} of training{mean_stale})")
+    if error is not None and error[1]:
+        lines.insert(1, f"{error[0]}'s last error: {error[1]}")
     lines.append(f"run folder {paths.root}")
     for label, path in (
         ("plot", paths.plots / "curves.png"),

