@@ -28,6 +28,23 @@ for packed rows — one launch per layer for the whole micro-batch, CUDA only, n
 The lengths never come from the device: :func:`cu_seqlens_kwargs` records each micro-batch's lengths
 beside its ``cu_seqlens`` tensor (:func:`host_lengths`), so no layer calls ``.tolist()`` on a CUDA tensor
 — that was one host sync per layer per forward (and again in the recompute of checkpointed blocks).
+
+Three per-layer variants transformers hands the attention function, so Gemma 2/3, Mistral and gpt-oss
+train on packed rows with the defaults (:func:`attend`):
+
+* ``sliding_window=W`` (Mistral on every layer; Gemma, Qwen, gpt-oss on their ``"sliding_attention"``
+  ``layer_types``): the query at position ``i`` sees keys ``j`` with ``0 <= i - j < W`` — transformers'
+  ``sliding_window_overlay`` (``kv_idx > q_idx - W``) and flash-attn's ``window_size=(W - 1, 0)``. A
+  sequence no longer than ``W`` is plain causal and stays on the fast path; a longer one runs sdpa with a
+  ``[L, L]`` boolean mask of its own (never one of the row).
+* ``softcap`` (Gemma 2): scores become ``tanh(s / cap) · cap`` before the mask. sdpa has no softcap, so
+  those layers compute attention explicitly (matmul, cap, mask, float32 softmax, matmul), per sequence.
+* ``s_aux`` (gpt-oss's ``sinks``): one learned logit per head joins each query's softmax denominator and
+  contributes no value — explicit math as well, so the sinks get their gradient.
+
+The explicit path holds ``[H, L, L]`` scores per sequence (eager attention's cost, never the row's
+``(ΣL)²``). torch's varlen kernel takes the window (``window_size`` in torch > 2.10); softcap, sinks, or a
+window on a torch without ``window_size`` fall back to the split kernel — slower, never wrong.
 """
 
 from __future__ import annotations
@@ -100,29 +117,43 @@ def host_lengths(cu: Tensor) -> tuple[int, ...] | None:
     return found[1]
 
 
-def varlen_sdpa(query: Tensor, key: Tensor, value: Tensor, lengths: list[int], *, scale: float | None) -> Tensor:
+def varlen_sdpa(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    lengths: list[int],
+    *,
+    scale: float | None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
     """Causal attention within each segment of a packed row.
 
     query ``[1, H, T, D]``, key/value ``[1, H_kv, T, D]`` (``H % H_kv == 0``), ``sum(lengths) == T``;
     returns ``[1, H, T, D]``. Equal to running sdpa on every sequence alone and concatenating.
+    ``window``, ``softcap`` and ``sinks`` (``[H]``) as :func:`attend` takes them, applied per sequence.
 
     Sequences of equal length run as one batch (see :func:`length_buckets`): a GRPO group's samples share
     their prompt, so full-length completions make whole groups one sdpa call each instead of one per sample.
     """
-    attend = functools.partial(causal_attention, scale=scale)
+    if window is None and softcap is None and sinks is None:
+        attend_one = functools.partial(causal_attention, scale=scale)
+    else:
+        attend_one = functools.partial(attend, scale=scale, window=window, softcap=softcap, sinks=sinks)
     if len(lengths) == 1:
-        return attend(query, key, value)
+        return attend_one(query, key, value)
     order, inverse, buckets = length_buckets(tuple(lengths), query.device)
     if order is None:  # every length distinct: one call per sequence, no gather
         parts = zip(query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2), strict=True)
-        return torch.cat([attend(q, k, v) for q, k, v in parts], dim=2)
+        return torch.cat([attend_one(q, k, v) for q, k, v in parts], dim=2)
     sizes = [n * length for n, length in buckets]
     per_bucket = (x[0].index_select(1, order).split(sizes, dim=1) for x in (query, key, value))
     outs = []
     for (n, length), q, k, v in zip(buckets, *per_bucket, strict=True):
         # [H, n·L, D] -> [n, H, L, D]: the bucket's sequences become the batch
         q, k, v = (x.unflatten(1, (n, length)).transpose(0, 1) for x in (q, k, v))
-        outs.append(attend(q, k, v).transpose(0, 1).flatten(1, 2))
+        outs.append(attend_one(q, k, v).transpose(0, 1).flatten(1, 2))
     return torch.cat(outs, dim=1).index_select(1, inverse).unsqueeze(0)
 
 
@@ -146,6 +177,99 @@ def causal_attention(query: Tensor, key: Tensor, value: Tensor, *, scale: float 
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         return out.to(query.dtype)
     return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
+
+
+def attend(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    scale: float | None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """Causal attention over ``[B, H, L, D]`` with transformers' per-layer variants; ``[B, H, L, D]`` out.
+
+    ``window``: the query at ``i`` sees keys ``j`` with ``0 <= i - j < window`` (transformers'
+    ``sliding_window``). ``softcap``: scores ``s`` become ``tanh(s / softcap) · softcap`` before the mask
+    (Gemma 2). ``sinks``: ``[H]`` logits, one per query head, added to every softmax denominator
+    (gpt-oss's ``s_aux``). With none of them (or a window no shorter than ``L``) this is
+    :func:`causal_attention`; a window alone is sdpa with a boolean mask; softcap or sinks are computed
+    explicitly. The float32-below-:data:`FLOAT32_BELOW` rule of :func:`causal_attention` holds throughout.
+    """
+    if window is not None and window >= query.shape[-2]:
+        window = None  # the window reaches the first token from every query: plain causal
+    if window is None and softcap is None and sinks is None:
+        return causal_attention(query, key, value, scale=scale)
+    if sinks is not None and sinks.numel() != query.shape[1]:
+        raise ValueError(
+            f"{VARLEN} attention got {sinks.numel()} attention sinks for {query.shape[1]} query heads; "
+            "a wrapper that splits heads (sequence parallelism) must pass each rank its heads' sinks"
+        )
+    fn = _explicit_attention if softcap is not None or sinks is not None else _windowed_sdpa
+    if _float32_on_cpu(query):
+        q, k, v = (x.float() for x in (query, key, value))
+        with torch.autocast("cpu", enabled=False):
+            out = fn(q, k, v, scale=scale, window=window, softcap=softcap, sinks=_float(sinks))
+        return out.to(query.dtype)
+    return fn(query, key, value, scale=scale, window=window, softcap=softcap, sinks=sinks)
+
+
+def window_mask(length: int, window: int | None, device: torch.device) -> Tensor:
+    """``[L, L]`` bool, True where the query (row) may see the key (column): causal, and within
+    ``window`` tokens (the query itself included) when one is given."""
+    pos = torch.arange(length, device=device)
+    behind = pos[:, None] - pos[None, :]
+    allowed = behind >= 0
+    return allowed & (behind < window) if window is not None else allowed
+
+
+def _windowed_sdpa(
+    query: Tensor, key: Tensor, value: Tensor, *, scale: float | None, window: int | None, **_: object
+) -> Tensor:
+    mask = window_mask(query.shape[-2], window, query.device)
+    gqa = query.shape[1] != key.shape[1]
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def _explicit_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    scale: float | None,
+    window: int | None,
+    softcap: float | None,
+    sinks: Tensor | None,
+) -> Tensor:
+    """Eager attention with softcap and sinks, as transformers' Gemma 2 and gpt-oss eager functions do it.
+
+    GQA without ``repeat_kv``: query heads ``[H_kv · G]`` (transformers' order: query head ``h`` reads kv
+    head ``h // G``) become ``[H_kv, G]`` and the keys broadcast over ``G``. The softmax runs in float32.
+    """
+    batch, heads, length, dim = query.shape
+    kv_heads = key.shape[1]
+    scale = dim**-0.5 if scale is None else scale
+    q = query.unflatten(1, (kv_heads, heads // kv_heads))  # [B, H_kv, G, L, D]
+    scores = q @ key.unsqueeze(2).transpose(-1, -2) * scale  # [B, H_kv, G, L, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~window_mask(length, window, query.device), float("-inf")).float()
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float().reshape(1, kv_heads, -1, 1, 1).expand(batch, -1, -1, length, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # the sink adds no value
+    return (probs.to(value.dtype) @ value.unsqueeze(2)).flatten(1, 2)
+
+
+def _float32_on_cpu(query: Tensor) -> bool:
+    return query.device.type == "cpu" and query.shape[-2] < FLOAT32_BELOW and _half_precision(query)
+
+
+def _float(x: Tensor | None) -> Tensor | None:
+    return x.float() if x is not None else None
 
 
 def _half_precision(query: Tensor) -> bool:
@@ -216,42 +340,55 @@ def varlen_attention_forward(
 ) -> tuple[Tensor, None]:
     """transformers attention-function signature; returns ``([B, T, H, D], None)`` like sdpa's.
 
-    ``kernel="torch"`` (:data:`VARLEN_TORCH`, bound by :func:`register`) runs packed rows in half precision
-    through :func:`torch_varlen_sdpa`; the flash kernel has no float32, so a float32 model (a test, a
-    reference pass) gets the split kernel there too.
+    ``sliding_window``, ``softcap`` and ``s_aux`` (attention sinks, in ``kwargs``) are the layer's, as
+    transformers passes them (see :func:`attend`). ``kernel="torch"`` (:data:`VARLEN_TORCH`, bound by
+    :func:`register`) runs packed rows in half precision through :func:`torch_varlen_sdpa` where that kernel
+    can (:func:`torch_kernel_fits`); a float32 model (a test, a reference pass), softcap or sinks get the
+    split kernel there too.
     """
-    _refuse(attention_mask, dropout, sliding_window, softcap, kwargs)
+    _refuse(module, attention_mask, dropout)
+    sinks = kwargs.get("s_aux")
+    extras = {"window": sliding_window, "softcap": softcap, "sinks": sinks}
     half = query.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(query.device.type)
     if query.shape[0] > 1:
         # Several rows (a dummy or right-padded batch): causal attention per row needs no mask because
         # right padding only ever follows the real tokens.
-        out = causal_attention(query, key, value, scale=scaling)
-    elif kernel == "torch" and query.device.type == "cuda" and half:
+        out = attend(query, key, value, scale=scaling, **extras)
+    elif kernel == "torch" and query.device.type == "cuda" and half and torch_kernel_fits(**extras):
         lengths = _lengths(query, kwargs)
         cu = kwargs.get("cu_seq_lens_q")
         if cu is None:
             cu = cu_seqlens_kwargs(lengths, query.device)["cu_seq_lens_q"]
-        out = torch_varlen_sdpa(query, key, value, cu.to(torch.int32), max(lengths), scale=scaling)
+        out = torch_varlen_sdpa(
+            query, key, value, cu.to(torch.int32), max(lengths), scale=scaling, window=sliding_window
+        )
     else:
-        out = varlen_sdpa(query, key, value, _lengths(query, kwargs), scale=scaling)
+        out = varlen_sdpa(query, key, value, _lengths(query, kwargs), scale=scaling, **extras)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _refuse(
-    attention_mask: Tensor | None, dropout: float, sliding_window: int | None, softcap: float | None, kwargs: dict
-) -> None:
+def _refuse(module: torch.nn.Module, attention_mask: Tensor | None, dropout: float) -> None:
     if attention_mask is not None:
         raise ValueError(
             f"{VARLEN} attention got an attention mask; it serves packed rows (no mask, restarting position "
             "ids) — use attn_implementation sdpa for padded batches"
         )
-    if sliding_window is not None or softcap is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError(
-            f"{VARLEN} attention has no sliding window, softcap or attention sinks; "
-            "use flash_attention_2 or set learner.use_remove_padding false for this model"
-        )
     if dropout:
         raise NotImplementedError(f"{VARLEN} attention has no dropout; set the model's attention_dropout to 0")
+    if getattr(module, "is_causal", True) is False:
+        raise NotImplementedError(
+            f"{VARLEN} attention is causal only and this model's attention is bidirectional "
+            "(use_bidirectional_attention); set learner.use_remove_padding false for this model"
+        )
+
+
+def torch_kernel_fits(*, window: int | None, softcap: float | None, sinks: Tensor | None) -> bool:
+    """Whether torch's varlen kernel computes this layer's attention: it has no softcap and no sinks, and
+    takes a sliding window only through ``window_size`` (torch > 2.10). Where it cannot, the split kernel
+    runs the layer instead (correct, slower)."""
+    if softcap is not None or sinks is not None:
+        return False
+    return window is None or "window_size" in _torch_varlen_params()
 
 
 def torch_varlen_available(device: torch.device) -> bool:
@@ -274,7 +411,14 @@ def _torch_varlen_params() -> frozenset[str]:
 
 
 def torch_varlen_sdpa(
-    query: Tensor, key: Tensor, value: Tensor, cu: Tensor, longest: int, *, scale: float | None
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cu: Tensor,
+    longest: int,
+    *,
+    scale: float | None,
+    window: int | None = None,
 ) -> Tensor:
     """:func:`varlen_sdpa` through torch's flash varlen kernel: one launch for the whole packed row.
 
@@ -282,15 +426,27 @@ def torch_varlen_sdpa(
     ``longest`` the longest sequence. torch 2.10 spells causal ``is_causal=True`` and has no
     ``scale`` or ``enable_gqa``; later releases take ``window_size=(-1, 0)``, ``scale`` and ``enable_gqa``.
     Where the kernel lacks them, key/value heads are repeated and a non-default scale is folded into the query.
+
+    ``window`` (transformers' ``sliding_window``: keys ``0 <= i - j < window``) is flash's
+    ``window_size=(window - 1, 0)``, the mapping transformers' flash integration makes; a window no shorter
+    than ``longest`` is plain causal. A torch without ``window_size`` cannot take one (see
+    :func:`torch_kernel_fits`).
     """
     params = _torch_varlen_params()
+    if window is not None and window >= longest:
+        window = None
+    if window is not None and "window_size" not in params:
+        raise ValueError(
+            f"torch {torch.__version__}'s varlen_attn has no window_size; run sliding-window layers on the "
+            "split kernel (learner.varlen_attention: split)"
+        )
     dtype = query.dtype
     if torch.is_autocast_enabled(query.device.type):  # rotary made q/k float32; the flash kernel wants half
         dtype = torch.get_autocast_dtype(query.device.type)
     q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # [T, H, D]
     kwargs: dict = {}
     if "window_size" in params:
-        kwargs["window_size"] = (-1, 0)
+        kwargs["window_size"] = (window - 1 if window is not None else -1, 0)
     else:
         kwargs["is_causal"] = True
     if scale is not None:

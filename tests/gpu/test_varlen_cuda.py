@@ -20,15 +20,19 @@ needs_kernel = pytest.mark.skipif(
 on_cuda_only = pytest.mark.skipif(ON_CPU, reason="compiling on the CPU is tests/unit/test_learner_mfu_levers.py's")
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], scale: float) -> torch.Tensor:
-    """Causal attention per sequence in float64 on the CPU, GQA by repeating heads."""
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], scale: float, window: int | None = None
+) -> torch.Tensor:
+    """Causal attention per sequence in float64 on the CPU, GQA by repeating heads; ``window`` as
+    transformers' ``sliding_window`` (keys ``0 <= i - j < window``)."""
     q, k, v = (x.double().cpu() for x in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     outs, at = [], 0
     for n in lengths:
         s = slice(at, at + n)
-        outs.append(F.scaled_dot_product_attention(q[:, :, s], k[:, :, s], v[:, :, s], is_causal=True, scale=scale))
+        mask = va.window_mask(n, window, torch.device("cpu"))
+        outs.append(F.scaled_dot_product_attention(q[:, :, s], k[:, :, s], v[:, :, s], attn_mask=mask, scale=scale))
         at += n
     return torch.cat(outs, dim=2)
 
@@ -48,6 +52,45 @@ def test_torch_varlen_kernel_matches_the_split_kernel_and_float64() -> None:
     err = lambda x: float((x.double().cpu() - ref).norm() / ref.norm())  # noqa: E731
     assert got.shape == split.shape == q.shape
     assert err(got) < 1e-2 and err(split) < 1e-2, (err(got), err(split))
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [1, 128, 512])
+def test_torch_varlen_kernel_takes_the_sliding_window(window: int) -> None:
+    """transformers' ``sliding_window=W`` as flash's ``window_size=(W - 1, 0)``: the kernel, the split
+    kernel and a float64 reference agree; sequences no longer than W are plain causal."""
+    if not va.torch_kernel_fits(window=window, softcap=None, sinks=None):
+        pytest.skip(f"torch {torch.__version__}'s varlen_attn has no window_size (the split kernel runs windows)")
+    torch.manual_seed(1)
+    lengths = [700, 1, 333, 1500, 128, 64]
+    total = sum(lengths)
+    q = torch.randn(1, 14, total, 64, device=DEVICE, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, total, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    scale = 64**-0.5
+    cu = va.cu_seqlens_kwargs(lengths, DEVICE)["cu_seq_lens_q"]
+    got = va.torch_varlen_sdpa(q, k, v, cu, max(lengths), scale=scale, window=window)
+    split = va.varlen_sdpa(q, k, v, lengths, scale=scale, window=window)
+    ref = _reference(q, k, v, lengths, scale, window=window)
+    err = lambda x: float((x.double().cpu() - ref).norm() / ref.norm())  # noqa: E731
+    assert err(got) < 1e-2 and err(split) < 1e-2, (err(got), err(split))
+    causal = _reference(q, k, v, lengths, scale)
+    assert float((ref - causal).norm() / causal.norm()) > 0.05  # the window matters for these inputs
+
+
+@needs_kernel
+def test_softcap_and_sinks_on_the_torch_kernel_run_the_split_kernel() -> None:
+    """The flash kernel has no softcap and no sinks: those layers fall back to the split kernel, bit for bit."""
+    torch.manual_seed(2)
+    lengths = [300, 1, 77, 300]
+    total = sum(lengths)
+    q = torch.randn(1, 8, total, 64, device=DEVICE, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, total, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    sinks = torch.randn(8, device=DEVICE, dtype=torch.bfloat16)
+    kw = va.cu_seqlens_kwargs(lengths, DEVICE)
+    for extras in ({"softcap": 2.0}, {"s_aux": sinks}, {"sliding_window": 64, "s_aux": sinks}):
+        got, _ = va.varlen_attention_forward(None, q, k, v, None, scaling=0.125, kernel="torch", **kw, **extras)
+        want, _ = va.varlen_attention_forward(None, q, k, v, None, scaling=0.125, kernel="split", **kw, **extras)
+        assert torch.equal(got, want), extras
 
 
 def _step(model_dir: Path, **learner):  # type: ignore[no-untyped-def]
