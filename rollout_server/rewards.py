@@ -21,7 +21,6 @@ from tether.config import TetherConfig
 from tether.config.rollout import RemoteReward
 from tether.logs import get_logger
 from tether.scorers import REMOTE, SCORERS, math_reward, routes
-from tether.tasks import demo_reward
 from tether.v1 import reward_pb2, reward_pb2_grpc
 
 log = get_logger(__name__)
@@ -55,7 +54,7 @@ class LocalReward:
     def _one(self, it: ScoreItem) -> tuple[float, dict[str, float]]:
         c = self.cfg
         if c.type == "demo":
-            return demo_reward(it.completion, it.reward_context), {}
+            return SCORERS["demo"](it.completion, it.reward_context)
         reference = it.reward_context.get(c.answer_key)  # type: ignore[union-attr]
         if reference is None:
             raise RewardError(f"reward_context has no {c.answer_key!r} (rollout.reward.answer_key)")  # type: ignore[union-attr]

@@ -96,7 +96,12 @@ class PromptWorker:
             await self._dead_letter(entry_id, group_id, f"bad prompt: {err}", prompt.SerializeToString())
             return
         spec = SamplingSpec(
-            n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k, max_tokens=rc.max_tokens
+            n=rc.n,
+            temperature=rc.temperature,
+            top_p=rc.top_p,
+            top_k=rc.top_k,
+            max_tokens=rc.max_tokens,
+            stop=tuple(rc.stop),
         )
         started = time.time()
         with spans.span("generate", group=group_id, n=spec.n):

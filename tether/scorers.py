@@ -137,8 +137,16 @@ SCORERS: dict[str, Scorer] = {
     "math": lambda completion, ctx: math_reward(completion, _answer(ctx), boxed_only=True),
     "math_any": lambda completion, ctx: math_reward(completion, _answer(ctx)),
     "exact_match": lambda completion, ctx: (float(completion.strip() == _answer(ctx).strip()), {}),
-    "demo": lambda completion, ctx: (demo_reward(completion, ctx), {}),
+    "demo": lambda completion, ctx: _demo(completion, ctx),
 }
+
+
+def _demo(completion: str, ctx: Mapping[str, str]) -> Scored:
+    """The built-in tasks' reward: the real-model task is scored by the ``math`` rule, the others by theirs."""
+    if ctx.get("task") == "fewshot_addition":
+        return math_reward(completion, _answer(ctx), boxed_only=True)
+    return demo_reward(completion, ctx), {}
+
 
 DEFAULT_SOURCES: dict[str, str] = {
     "openai/gsm8k": "gsm8k",
@@ -149,6 +157,7 @@ DEFAULT_SOURCES: dict[str, str] = {
     "math": "math",
     "charclass": "demo",
     "addition": "demo",
+    "fewshot_addition": "math",
 }
 """verl's ``default_compute_score`` names, plain ``gsm8k``/``math``, and the demo tasks."""
 

@@ -13,8 +13,14 @@ partly right; RL then has to raise held-out accuracy. The pairs are split by a h
 held-out (``split="val"``) prompts never occur in training — ``val_data_path: demo:addition`` evaluates
 on that split.
 
-Each row carries ``task`` in its reward context so one reward (``rollout.reward.type: demo``) scores
-every built-in task.
+``demo:fewshot_addition`` is the real-model task (``configs/gemma-addition.yaml``, ``make demo-real``):
+four solved examples then ``"Q: What is 4 + 7?\\nA:"``, answered ``" \\boxed{11}"`` and scored by the
+``math`` rule (the last box, verl's MATH convention). A pretrained base model half knows it — Gemma 3
+270M at temperature 1 is right on ~0.11 of its samples — so RL has something to sharpen rather than to
+teach from nothing. About a fifth of the 100 operand pairs (17, fixed by a hash) is held out: never a question, never a shot.
+
+Each row carries ``task`` in its reward context so one reward (``rollout.reward.type: demo``, or
+``data_source`` routing by ``task``) scores every built-in task.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ CHAR_CLASSES: dict[str, str] = {
     "upper": string.ascii_uppercase,
 }
 
-DEMO_TASKS = ("charclass", "addition")
+DEMO_TASKS = ("charclass", "addition", "fewshot_addition")
 SPLITS = ("train", "val")
 
 ADDITION_DIGITS = 2
@@ -54,6 +60,44 @@ def addition_rows(*, seed: int = 0, split: str = "train") -> Iterator[dict[str, 
             yield {"prompt": f"{a:0{w}d}+{b:0{w}d}=", "answer": f"{a + b:0{w + 1}d}", "task": "addition"}
 
 
+FEWSHOT_SHOTS = 4
+"""Solved examples before the question of a ``fewshot_addition`` prompt."""
+FEWSHOT_VAL_PERCENT = 20
+"""Percent of single-digit operand pairs held out for evaluation (chosen by a hash of the pair)."""
+
+
+def fewshot_split(a: int, b: int) -> str:
+    """``"val"`` for the held-out single-digit pairs, else ``"train"`` (a fixed hash: every process agrees)."""
+    h = int.from_bytes(hashlib.blake2b(f"fewshot {a}+{b}".encode(), digest_size=4).digest(), "big")
+    return "val" if h % 100 < FEWSHOT_VAL_PERCENT else "train"
+
+
+FEWSHOT_PAIRS = {
+    split: [(a, b) for a in range(10) for b in range(10) if fewshot_split(a, b) == split] for split in SPLITS
+}
+
+
+def fewshot_addition_rows(*, seed: int = 0, split: str = "train") -> Iterator[dict[str, str]]:
+    """Prompts of 4 solved examples then the question, ``"Q: What is a + b?\\nA:"``, answered
+    ``" \\boxed{s}\\n"``; the shots always come from training pairs, so a held-out pair is never seen solved.
+    The prompt ends on ``"A:"``, not ``"A: "``: a trailing space is a token the model never saw before a
+    word in its training text (SentencePiece glues the space to the next word), and Gemma 3 270M's accuracy
+    at temperature 1 falls from ~0.11 to ~0.01 with it. One line per answer: a rollout stop of ``"\\n"``
+    ends it."""
+    rng = random.Random(f"fewshot_addition-{split}-{seed}")
+    shots_from, questions = FEWSHOT_PAIRS["train"], FEWSHOT_PAIRS[split]
+    while True:
+        a, b = rng.choice(questions)
+        shots = "".join(
+            f"{fewshot_question(x, y)} \\boxed{{{x + y}}}\n" for x, y in rng.sample(shots_from, FEWSHOT_SHOTS)
+        )
+        yield {"prompt": f"{shots}{fewshot_question(a, b)}", "answer": str(a + b), "task": "fewshot_addition"}
+
+
+def fewshot_question(a: int, b: int) -> str:
+    return f"Q: What is {a} + {b}?\nA:"
+
+
 def demo_rows(task: str = "charclass", *, seed: int = 0, split: str = "train") -> Iterator[dict[str, str]]:
     """An endless, seeded stream of ``{"prompt": ..., "answer": ..., "task": ...}`` rows of a built-in
     task. ``split="val"`` gives the held-out rows (for charclass, the same distribution another seed)."""
@@ -63,6 +107,9 @@ def demo_rows(task: str = "charclass", *, seed: int = 0, split: str = "train") -
         raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
     if task == "addition":
         yield from addition_rows(seed=seed, split=split)
+        return
+    if task == "fewshot_addition":
+        yield from fewshot_addition_rows(seed=seed, split=split)
         return
     rng = random.Random(seed if split == "train" else f"val-{seed}")
     names = sorted(CHAR_CLASSES)

@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
-from tether.tasks import ADDITION_DIGITS, CHAR_CLASSES, addition_reward, addition_split, demo_reward, demo_rows
+from tether.tasks import (
+    ADDITION_DIGITS,
+    CHAR_CLASSES,
+    FEWSHOT_PAIRS,
+    FEWSHOT_SHOTS,
+    SPLITS,
+    addition_reward,
+    addition_split,
+    demo_reward,
+    demo_rows,
+)
 
 
 def test_rows_are_seeded_and_cover_every_class() -> None:
@@ -82,3 +93,49 @@ def test_charclass_rows_without_a_task_key_keep_their_reward() -> None:
 def test_unknown_split_is_an_error() -> None:
     with pytest.raises(ValueError, match="unknown split"):
         next(demo_rows("addition", split="test"))
+
+
+# --- fewshot_addition: the real-model task ------------------------------------------------------------
+QA = re.compile(r"Q: What is (\d) \+ (\d)\?\nA:( \\boxed\{(\d+)\}\n)?")
+
+
+def _parts(prompt: str) -> tuple[list[tuple[int, int, int]], tuple[int, int]]:
+    """The shots ``(a, b, their written sum)`` and the question ``(a, b)`` of a prompt, which they must tile."""
+    found = list(QA.finditer(prompt))
+    assert "".join(m.group(0) for m in found) == prompt, prompt
+    *shots, question = found
+    assert question.group(3) is None and all(m.group(3) for m in shots)
+    return [(int(m[1]), int(m[2]), int(m[4])) for m in shots], (int(question[1]), int(question[2]))
+
+
+def test_fewshot_rows_are_seeded_and_their_shots_are_solved_right() -> None:
+    rows = list(itertools.islice(demo_rows("fewshot_addition", seed=5), 50))
+    assert rows == list(itertools.islice(demo_rows("fewshot_addition", seed=5), 50))
+    for row in rows:
+        shots, (a, b) = _parts(row["prompt"])
+        assert row["answer"] == str(a + b) and not row["prompt"].endswith(" ")
+        assert len(shots) == FEWSHOT_SHOTS and all(x + y == s for x, y, s in shots)
+
+
+def test_fewshot_heldout_pairs_are_never_asked_nor_shown_in_training() -> None:
+    val = set(FEWSHOT_PAIRS["val"])
+    assert 10 <= len(val) <= 30 and not val & set(FEWSHOT_PAIRS["train"])
+    for split in SPLITS:
+        asked = set()
+        for row in itertools.islice(demo_rows("fewshot_addition", seed=0, split=split), 400):
+            shots, question = _parts(row["prompt"])
+            assert not {(x, y) for x, y, _ in shots} & val  # held-out pairs are never seen solved
+            asked.add(question)
+        assert asked == set(FEWSHOT_PAIRS[split])
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [(" \\boxed{11}\n", 1.0), (" \\boxed{12}\n", 0.0), (" 11\n", 0.0), (" \\boxed{10} or \\boxed{11}", 1.0)],
+)
+def test_fewshot_reward_is_the_math_rule_on_the_last_box(completion: str, expected: float) -> None:
+    from tether.scorers import SCORERS
+
+    reward, _ = SCORERS["demo"](completion, {"task": "fewshot_addition", "answer": "11"})
+    assert reward == expected
+    assert SCORERS["math"](completion, {"answer": "11"})[0] == expected

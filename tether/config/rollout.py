@@ -156,6 +156,11 @@ class RolloutConfig(Section):
     max_tokens: int = Field(default=256, gt=0)
     """Most completion tokens per sample (per turn for episodes)."""
 
+    stop: list[str] = Field(default_factory=list)
+    """Strings that end a completion of the prompts stream (training and evaluation rollouts; vLLM's
+    ``stop``): the token that completes one is the last sampled, and stays in the trained ids. E.g.
+    ``["\\n"]`` for a few-shot prompt whose answer is one line. Generate requests and episodes set their own."""
+
     max_prompt_len: int = Field(default=1024, gt=0)
     """Longest prompt in tokens (at most the model's context - 1): longer requests are rejected with
     INVALID_ARGUMENT, longer prompts of the prompts stream dead-lettered. Not given: ``learner.max_prompt_length``
