@@ -17,7 +17,8 @@ on that split.
 four solved examples then ``"Q: What is 4 + 7?\\nA:"``, answered ``" \\boxed{11}"`` and scored by the
 ``math`` rule (the last box, verl's MATH convention). A pretrained base model half knows it — Gemma 3
 270M at temperature 1 is right on ~0.11 of its samples — so RL has something to sharpen rather than to
-teach from nothing. About a fifth of the 100 operand pairs (17, fixed by a hash) is held out: never a question, never a shot.
+teach from nothing. About a fifth of the 100 operand pairs (17, fixed by a hash) is held out: never a
+question, never a shot.
 
 Each row carries ``task`` in its reward context so one reward (``rollout.reward.type: demo``, or
 ``data_source`` routing by ``task``) scores every built-in task.
