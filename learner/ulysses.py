@@ -128,6 +128,10 @@ def ulysses_attention_forward(
         rep = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
     q, k, v = (seq_to_heads(t, group) for t in (query, key, value))
+    if kwargs.get("s_aux") is not None:
+        # Attention sinks (gpt-oss) are one logit per query head: this rank attends with heads
+        # [rank·H/SP, (rank+1)·H/SP) after the all-to-all (seq_to_heads chunks dim 1 in rank order).
+        kwargs["s_aux"] = kwargs["s_aux"].chunk(sp)[dist.get_rank(group)]
     if "cu_seq_lens_q" not in kwargs:
         # A dummy forward (no boundaries given): the local position ids do not describe the gathered row.
         kwargs.pop("position_ids", None)

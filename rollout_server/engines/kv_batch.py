@@ -12,7 +12,10 @@ they mean; that is what lets rows of different lengths share the cache.
 
 Only caches whose layers are all plain ``DynamicLayer`` (full attention) can be re-laid out this way;
 for any other cache (sliding windows, linear attention, …) :attr:`RunningBatch.joinable` is false and
-the engine lets new rows in only when the batch is empty, as static batching does.
+the engine lets new rows in only when the batch is empty, as static batching does. A sliding-window model
+whose rows can never outgrow its window (``model.max_model_len`` at most the window: Gemma 3's 512) gets
+full layers (:func:`new_cache`): a window no row reaches masks nothing, so the logits are the same — checked
+on the real Gemma 3 270M — and its rows join and leave like any other.
 """
 
 from __future__ import annotations
@@ -23,6 +26,25 @@ import torch
 import torch.nn.functional as F
 
 from rollout_server.engines.sampling import RowParams
+
+
+def new_cache(config: Any, *, longest: int) -> Any:
+    """The KV cache of a new batch of rows at most ``longest`` tokens long (prompt and completion): the
+    model's own (``DynamicCache(config=...)``), or all full-attention layers where its only other kind is a
+    sliding window no row can outgrow, so that rows can join a running batch (see the module docstring)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    if _joinable(cache) or not _window_never_bites(config, longest):
+        return cache
+    return DynamicCache()
+
+
+def _window_never_bites(config: Any, longest: int) -> bool:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds = set(getattr(text, "layer_types", None) or ["sliding_attention"])
+    window = getattr(text, "sliding_window", None)
+    return kinds <= {"full_attention", "sliding_attention"} and window is not None and longest <= window
 
 
 def _joinable(cache: Any) -> bool:

@@ -47,7 +47,7 @@ from rollout_server.engines.base import (
     EngineRejected,
     SamplingSpec,
 )
-from rollout_server.engines.kv_batch import RunningBatch
+from rollout_server.engines.kv_batch import RunningBatch, new_cache
 from rollout_server.engines.multi_lora import RowAdapters
 from rollout_server.engines.sampling import RowParams, sample
 from tether.config import TetherConfig
@@ -528,11 +528,11 @@ class TransformersEngine(Engine):
 
     def _forward_sync(self, state: dict[str, Any]) -> Any:
         import torch
-        from transformers import DynamicCache
 
         with torch.inference_mode():
             if state["cache"] is None:
-                state["cache"] = DynamicCache(config=self.model.config)
+                # every row ends by max_model_len tokens (_advance): within a window that long, full layers
+                state["cache"] = new_cache(self.model.config, longest=self.max_model_len)
             named = self._named
             active = named is not None and named.names
             with named.rows(self._row_adapters(state["rows"])) if active else contextlib.nullcontext():

@@ -354,3 +354,17 @@ async def test_a_failing_prefill_aborts_only_its_newcomers(engine) -> None:
     assert s.finish_reason == FINISH_LENGTH and len(s.token_ids) == 60
     torch.testing.assert_close(torch.tensor(s.logprobs), forward_logprobs(engine.model, prompt, s.token_ids),
                                atol=1e-4, rtol=1e-4)  # fmt: skip
+
+
+def test_a_sliding_window_no_row_outgrows_gets_a_joinable_cache() -> None:
+    """Gemma 3-style layers (sliding + full): the model's own cache cannot be re-laid out, so rows could only
+    start together; with rows never longer than the window the engine takes full layers, which can."""
+    from transformers import Gemma3TextConfig
+
+    from rollout_server.engines.kv_batch import _joinable, new_cache
+
+    cfg = Gemma3TextConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=64)
+    assert not _joinable(new_cache(cfg, longest=65))  # a row may pass the window: the model's own cache
+    assert _joinable(new_cache(cfg, longest=64))
+    other = Gemma3TextConfig(num_hidden_layers=2, layer_types=["full_attention", "full_attention"], sliding_window=8)
+    assert _joinable(new_cache(other, longest=10_000))
