@@ -169,7 +169,8 @@ class LearnerConfig(Section):
 
     truncation: Literal["error", "left", "right"] = "error"
     """A prompt over the limit (``max_prompt_length``): ``error`` fails at start naming the row and the
-    setting; ``left``/``right`` keep its last/first tokens (verl: ``data.truncation``)."""
+    setting; ``left``/``right`` keep its last/first tokens (verl: ``data.truncation``); ``left`` keeps the
+    tokenizer's leading BOS and cuts the oldest text after it."""
 
     filter_overlong_prompts: bool = False
     """Drop prompts over ``max_prompt_length`` instead (counted and shown at start) (verl name)."""
