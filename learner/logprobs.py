@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from learner import fused_head, ulysses
 from learner.packing import MicroBatch
-from learner.varlen_attention import cu_seqlens_kwargs
+from learner.varlen_attention import cu_seqlens_kwargs, prompt_tree_kwargs
 
 DEFAULT_CHUNK = 2048
 
@@ -97,7 +97,10 @@ def forward_micro_batch(
     else:
         # No attention mask + restarting position ids: transformers' packed-sequence path. The boundaries go
         # in once here so no layer re-derives them (flash_attention_2 and the varlen kernel both read them).
-        kwargs.update(cu_seqlens_kwargs(mb.seq_lengths, device))
+        if mb.prompt_tree is not None:
+            kwargs.update(prompt_tree_kwargs(mb.prompt_tree, device))
+        else:
+            kwargs.update(cu_seqlens_kwargs(mb.seq_lengths, device))
         head = fused_head.find(model)
         if head is not None:  # learner.use_fused_kernels: the head returns (log-prob, entropy) per position
             with head.scoring(mb.targets.to(device, non_blocking=True),
@@ -117,6 +120,9 @@ def _forward_sequence_parallel(
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     if not mb.packed:
         raise ValueError("ulysses_sequence_parallel_size > 1 needs packed rows (learner.use_remove_padding: true)")
+    if mb.prompt_tree is not None:
+        raise ValueError("sequence parallelism runs one copy of the prompt per sample: build the micro-batch "
+                         "without share_prompts")  # fmt: skip
     pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
     shard = ulysses.shard_row(mb.input_ids, mb.logit_index, mb.seq_lengths, sp, pad_id=pad_id)
     kwargs = {"use_cache": False, **cu_seqlens_kwargs(shard.lengths, device)}

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from learner.attention_kernels import PromptTree
+
 
 @dataclass
 class Sample:
@@ -73,7 +75,8 @@ class MicroBatch:
     seq_ids: Tensor  # [N] local sequence index 0..S-1
     sample_index: list[int]  # indices of this micro-batch's samples in the step's sample list
     packed: bool
-    seq_lengths: list[int] = field(default_factory=list)  # tokens of each sequence, in row order
+    seq_lengths: list[int] = field(default_factory=list)  # tokens of each sequence (segment), in row order
+    prompt_tree: PromptTree | None = None  # shared prompts (learner.share_prompts): the row's layout
 
     @property
     def empty(self) -> bool:
@@ -84,17 +87,22 @@ class MicroBatch:
         return int(self.input_ids.numel()) if self.attention_mask is None else int(self.attention_mask.sum())
 
 
-def make_micro_batch(samples: list[Sample], index: list[int], *, packed: bool, pad_id: int = 0) -> MicroBatch:
+def make_micro_batch(
+    samples: list[Sample], index: list[int], *, packed: bool, pad_id: int = 0, share_prompts: bool = False
+) -> MicroBatch:
     """Build the tensors of one micro-batch from ``samples[i] for i in index`` (empty: a 1-token dummy).
 
     Each field is assembled in NumPy and becomes a tensor once: at the demo size (64 short sequences) a
-    tensor per sequence and field was a fifth of the step's host time.
+    tensor per sequence and field was a fifth of the step's host time. ``share_prompts`` (packed only):
+    samples with the same prompt share one copy of it (:func:`shared_prompt_batch`).
     """
     chosen = [samples[i] for i in index]
     if not chosen:
         one = torch.full((1, 1), pad_id, dtype=torch.long)
         empty = torch.zeros(0, dtype=torch.long)
         return MicroBatch(one, torch.zeros_like(one), None, torch.zeros(1, dtype=torch.long), one[0], empty, [], packed)
+    if packed and share_prompts:
+        return shared_prompt_batch(chosen, index)
     lengths = [s.length for s in chosen]
     rows = [np.asarray(s.input_ids, dtype=np.int64) for s in chosen]
     width = sum(lengths) if packed else max(lengths)
@@ -128,6 +136,106 @@ def make_micro_batch(samples: list[Sample], index: list[int], *, packed: bool, p
         packed=packed,
         seq_lengths=lengths,
     )
+
+
+def prompt_key(sample: Sample) -> bytes:
+    """Samples with equal keys have the same prompt tokens."""
+    return np.asarray(sample.input_ids[: sample.prompt_len], dtype=np.int64).tobytes()
+
+
+def shared_prompt_batch(chosen: list[Sample], index: list[int]) -> MicroBatch:
+    """One packed row in which samples with the same prompt share it: the prompt's tokens once, then each
+    completion (position ids continuing from the prompt), as :data:`PromptTree` says; a prompt only one sample
+    has stays a plain sequence. The per-token fields (``logit_index``, ``targets``, ``seq_ids``) keep the
+    order of ``index`` as in :func:`make_micro_batch`: a completion's first token is scored from its prompt's
+    last position, which its siblings' first tokens share."""
+    members: dict[bytes, list[int]] = {}
+    for k, s in enumerate(chosen):
+        members.setdefault(prompt_key(s), []).append(k)
+    ids, positions, tree = [], [], []
+    first = np.zeros(len(chosen), dtype=np.int64)  # row position of each sample's first scored logit
+    rest = np.zeros(len(chosen), dtype=np.int64)  # row position of each sample's first completion token
+    at = 0
+    for ks in members.values():
+        s0 = chosen[ks[0]]
+        p = s0.prompt_len
+        shared = [k for k in ks if chosen[k].num_completion > 0]
+        if len(ks) == 1 or not shared:  # nothing to share: plain sequences
+            for k in ks:
+                s = chosen[k]
+                ids.append(np.asarray(s.input_ids, dtype=np.int64))
+                positions.append(np.arange(s.length))
+                tree.append((s.length, ()))
+                first[k], rest[k] = at + p - 1, at + p
+                at += s.length
+            continue
+        ids.append(np.asarray(s0.input_ids[:p], dtype=np.int64))
+        positions.append(np.arange(p))
+        prompt_end, at = at + p - 1, at + p
+        lengths = []
+        for k in ks:
+            c = chosen[k].num_completion
+            first[k], rest[k] = prompt_end, at
+            if c:
+                ids.append(np.asarray(chosen[k].input_ids[p:], dtype=np.int64))
+                positions.append(np.arange(p, p + c))
+                lengths.append(c)
+                at += c
+        tree.append((p, tuple(lengths)))
+    logit_index = np.concatenate(
+        [np.concatenate([[first[k]], rest[k] + np.arange(s.num_completion - 1)]) if s.num_completion else
+         np.zeros(0, dtype=np.int64) for k, s in enumerate(chosen)]
+    )  # fmt: skip
+    targets = np.concatenate([np.asarray(s.input_ids[s.prompt_len :], dtype=np.int64) for s in chosen])
+    seq_ids = np.repeat(np.arange(len(chosen)), [s.num_completion for s in chosen])
+    return MicroBatch(
+        input_ids=torch.from_numpy(np.concatenate(ids))[None],
+        position_ids=torch.from_numpy(np.concatenate(positions))[None],
+        attention_mask=None,
+        logit_index=torch.from_numpy(logit_index.astype(np.int64)),
+        targets=torch.from_numpy(targets),
+        seq_ids=torch.from_numpy(seq_ids.astype(np.int64)),
+        sample_index=list(index),
+        packed=True,
+        seq_lengths=[n for p, cs in tree for n in (p, *cs)],
+        prompt_tree=tuple(tree),
+    )
+
+
+def row_tokens(samples: list[Sample], index: list[int], *, share_prompts: bool) -> int:
+    """Tokens the model runs for ``samples[i] for i in index`` in one packed row: with ``share_prompts`` a
+    prompt k samples share counts once instead of k times."""
+    total = sum(samples[i].length for i in index)
+    if share_prompts:
+        seen: dict[bytes, int] = {}
+        for i in index:
+            key = prompt_key(samples[i])
+            if key in seen:
+                total -= samples[i].prompt_len
+            seen[key] = 1
+    return total
+
+
+def shared_prompt_units(samples: list[Sample], index: list[int], budget: int) -> tuple[list[list[int]], list[int]]:
+    """``index`` cut into units that keep a prompt's samples together (in order), each unit's tokens with
+    its prompt once at most ``budget`` (a sample alone may exceed it): ``(units, tokens of each unit)``. The
+    micro-batch planner packs units, so a GRPO group shares its prompt instead of being spread out."""
+    by_prompt: dict[bytes, list[int]] = {}
+    for i in index:
+        by_prompt.setdefault(prompt_key(samples[i]), []).append(i)
+    units: list[list[int]] = []
+    costs: list[int] = []
+    for members in by_prompt.values():
+        p, first_unit = samples[members[0]].prompt_len, len(units)
+        for i in members:
+            c = samples[i].num_completion
+            if len(units) > first_unit and costs[-1] + c <= budget:
+                units[-1].append(i)
+                costs[-1] += c
+            else:
+                units.append([i])
+                costs.append(p + c)
+    return units, costs
 
 
 def per_token(samples: list[Sample], index: list[int], name: str) -> Tensor:

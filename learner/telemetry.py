@@ -56,7 +56,9 @@ class StepPerf:
             "perf/tokens_per_s": tokens / compute if compute else 0.0,
         }
         if self.peak and compute:
-            flops = train_flops(self.n_params, int(tokens) * self.ppo_epochs, forward_passes=self.forward_passes)
+            # the tokens the model ran: a prompt its samples share (learner.share_prompts) counts once
+            computed = int(row.get("learner/tokens_computed", tokens))
+            flops = train_flops(self.n_params, computed * self.ppo_epochs, forward_passes=self.forward_passes)
             out["perf/mfu"] = flops / (compute * self.peak * self.world)
         return out
 

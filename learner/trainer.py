@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from learner import ulysses
+from learner import ulysses, varlen_attention
 from learner.advantages import assign_advantages, get_estimator
 from learner.batch import NOT_SKIPPED, build_samples
 from learner.critic import Critic
@@ -35,7 +35,16 @@ from learner.logprobs import dummy_loss, forward_micro_batch
 from learner.losses import PolicyLossInputs, get_policy_loss
 from learner.offload import activation_offload
 from learner.optim import build_optimizer
-from learner.packing import MicroBatch, Sample, make_micro_batch, per_token, plan_micro_batches, plan_within_ranks
+from learner.packing import (
+    MicroBatch,
+    Sample,
+    make_micro_batch,
+    per_token,
+    plan_micro_batches,
+    plan_within_ranks,
+    row_tokens,
+    shared_prompt_units,
+)
 from tether import spans
 from tether.config import TetherConfig
 from tether.logs import get_logger
@@ -65,6 +74,20 @@ def _temperatures(samples: list[Sample], index: list[int]) -> torch.Tensor | Non
     if all(samples[i].temperature == 1.0 for i in index):
         return None
     return per_token(samples, index, "temperature")
+
+
+def shares_prompts(cfg: TetherConfig, model: torch.nn.Module, ref_model: torch.nn.Module | None, *, sp: int) -> bool:
+    """Whether micro-batches share their prompts (``learner.share_prompts``): packed rows, no sequence
+    parallelism, and tether's split varlen kernel in every model that reads them. flash_attention_2 would
+    take a completion for a sequence of its own; on the torch varlen kernel (GPU) the layout would run per
+    prompt instead of in one launch, which has never been measured there, so those get a copy per sample."""
+    models = [m for m in (model, ref_model) if m is not None]
+    return (
+        cfg.learner.share_prompts
+        and cfg.learner.use_remove_padding
+        and sp == 1
+        and all(getattr(m.config, "_attn_implementation", None) == varlen_attention.VARLEN for m in models)
+    )
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float, *, world: int) -> torch.Tensor:
@@ -156,6 +179,7 @@ class Trainer:
         self.optimizer = build_optimizer(cfg, trainable)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.n_mini * lc.ppo_epochs))
         self.pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
+        self.share_prompts = shares_prompts(cfg, model, ref_model, sp=self.layout.sp)
         # The metric keys of one micro-batch, from an empty call: every rank reduces the same keys.
         _, m = self.policy_loss(PolicyLossInputs.empty(), cfg.algorithm)
         self.metric_keys = sorted(m)
@@ -188,38 +212,58 @@ class Trainer:
 
     def _plan(self, samples: list[Sample], index: list[int], *, forward_only: bool) -> list[list[list[int]]]:
         lc = self.cfg.learner
-        lengths = [samples[i].length for i in index]
+        budget = lc.max_token_len_per_gpu * self.layout.sp
+        units, costs = self._units(samples, index, budget)
         plan = plan_micro_batches(
-            lengths,
+            costs,
             world_size=self.layout.dp,
             dynamic=lc.use_dynamic_bsz,
-            max_tokens=lc.max_token_len_per_gpu * self.layout.sp,
+            max_tokens=budget,
             micro_batch_size=lc.micro_batch_size_per_gpu,
             padded=not lc.use_remove_padding,
         )
-        return [[[index[j] for j in mb] for mb in rank] for rank in plan]
+        return [[[i for u in mb for i in units[u]] for mb in rank] for rank in plan]
+
+    def _units(self, samples: list[Sample], index: list[int], budget: int) -> tuple[list[list[int]], list[int]]:
+        """What the planner places: a prompt's samples together where prompts are shared (token budgets
+        only), otherwise each sample alone."""
+        if self.share_prompts and self.cfg.learner.use_dynamic_bsz:
+            return shared_prompt_units(samples, index, budget)
+        return [[i] for i in index], [samples[i].length for i in index]
 
     def _forward_only_plan(self, samples: list[Sample], update_plans: list) -> list[list[int]]:
         """This rank's samples (the ones it updates on) cut by the larger forward-only budgets."""
         lc = self.cfg.learner
-        groups = range(self.layout.dp)
-        per_rank = [sorted({i for plan in update_plans for mb in plan[r] for i in mb}) for r in groups]
+        budget = (lc.log_prob_max_token_len_per_gpu or 2 * lc.max_token_len_per_gpu) * self.layout.sp
+        units: list[list[int]] = []
+        costs: list[int] = []
+        per_rank = []
+        for r in range(self.layout.dp):
+            mine = sorted({i for plan in update_plans for mb in plan[r] for i in mb})
+            rank_units, rank_costs = self._units(samples, mine, budget)
+            per_rank.append(list(range(len(units), len(units) + len(rank_units))))
+            units += rank_units
+            costs += rank_costs
         plan = plan_within_ranks(
             per_rank,
-            [s.length for s in samples],
+            costs,
             dynamic=lc.use_dynamic_bsz,
-            max_tokens=(lc.log_prob_max_token_len_per_gpu or 2 * lc.max_token_len_per_gpu) * self.layout.sp,
+            max_tokens=budget,
             micro_batch_size=lc.log_prob_micro_batch_size_per_gpu or 2 * lc.micro_batch_size_per_gpu,
             padded=not lc.use_remove_padding,
         )
-        return plan[self.layout.dp_rank]
+        return [[i for u in mb for i in units[u]] for mb in plan[self.layout.dp_rank]]
 
     # ----- passes
+
+    def _micro_batch(self, samples: list[Sample], index: list[int]) -> MicroBatch:
+        packed = self.cfg.learner.use_remove_padding
+        return make_micro_batch(samples, index, packed=packed, pad_id=self.pad_id, share_prompts=self.share_prompts)
 
     @torch.no_grad()
     def _forward_only(self, model: torch.nn.Module, samples: list[Sample], plan: list[list[int]], field: str) -> None:
         for index in plan:
-            mb = make_micro_batch(samples, index, packed=self.cfg.learner.use_remove_padding, pad_id=self.pad_id)
+            mb = self._micro_batch(samples, index)
             if mb.empty:
                 dummy_loss(model, mb, device=self.device)
                 continue
@@ -252,7 +296,7 @@ class Trainer:
         g_seq = float(len(mini))
         self.optimizer.zero_grad(set_to_none=True)
         for index in plan:
-            mb = make_micro_batch(samples, index, packed=lc.use_remove_padding, pad_id=self.pad_id)
+            mb = self._micro_batch(samples, index)
             if mb.empty:
                 with self.offload():
                     dummy = dummy_loss(self.model, mb, device=self.device)
@@ -394,6 +438,8 @@ class Trainer:
         rewards = [s.reward for s in samples]
         stale = [s.staleness for s in samples]
         tokens = sum(s.length for s in samples)
+        share = self.share_prompts and self.cfg.learner.use_remove_padding
+        computed = sum(row_tokens(samples, mb, share_prompts=share) for plan in plans for rank in plan for mb in rank)
         out.update(
             {
                 "actor/lr": self.scheduler.get_last_lr()[0],
@@ -409,6 +455,7 @@ class Trainer:
                 "response/length_mean": sum(s.num_completion for s in samples) / len(samples),
                 "learner/samples": float(len(samples)),
                 "learner/tokens": float(tokens),
+                "learner/tokens_computed": float(computed),  # a shared prompt once per micro-batch
                 "timing/compute": time.perf_counter() - t0,
             }
         )

@@ -57,8 +57,17 @@ import weakref
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: F401 (tests count the sdpa calls through this name)
 from torch import Tensor
+
+from learner.attention_kernels import (  # noqa: F401 (the kernels' home before; importers keep the names)
+    FLOAT32_BELOW,
+    PromptTree,
+    attend,
+    attend_prompt_tree,
+    causal_attention,
+    window_mask,
+)
 
 VARLEN = "tether_varlen"
 """The ``attn_implementation`` name of the ``split`` kernel (sdpa per sequence or per equal-length bucket)."""
@@ -68,6 +77,8 @@ VARLEN_TORCH = "tether_varlen_torch"
 _HOST_LENGTHS: dict[int, tuple[weakref.ref, tuple[int, ...]]] = {}
 """Lengths of the live ``cu_seqlens`` tensors, by their storage address (see :func:`host_lengths`)."""
 _HOST_LENGTHS_KEPT = 64
+_PROMPT_TREES: dict[int, tuple[weakref.ref, PromptTree]] = {}
+"""The shared-prompt layouts of the live ``cu_seqlens`` tensors that :func:`prompt_tree_kwargs` built."""
 
 
 def cu_seqlens_from_position_ids(position_ids: Tensor) -> Tensor:
@@ -96,6 +107,31 @@ def cu_seqlens_kwargs(lengths: list[int], device: torch.device | None = None) ->
     _remember(cu, tuple(int(n) for n in lengths))
     longest = max(lengths)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def prompt_tree_kwargs(tree: PromptTree, device: torch.device | None = None) -> dict:
+    """The kwargs of a packed row laid out as shared prompts (``learner.share_prompts``).
+
+    ``cu_seq_lens_*`` mark every prompt and completion as a segment, and the layout is remembered beside
+    them, so this module's attention lets each completion see its prompt (:func:`attend_prompt_tree`).
+    Only this module's kernels read it: flash_attention_2 would take the segments for whole sequences, so
+    the learner shares prompts only on the ``tether_varlen`` kernels.
+    """
+    kwargs = cu_seqlens_kwargs([n for prompt, completions in tree for n in (prompt, *completions)], device)
+    cu = kwargs["cu_seq_lens_q"]
+    _PROMPT_TREES[cu.data_ptr()] = (weakref.ref(cu), tree)
+    while len(_PROMPT_TREES) > _HOST_LENGTHS_KEPT:
+        del _PROMPT_TREES[next(iter(_PROMPT_TREES))]
+    return kwargs
+
+
+def host_prompt_tree(cu: Tensor | None) -> PromptTree | None:
+    """The shared-prompt layout :func:`prompt_tree_kwargs` built ``cu`` for (None: plain sequences); as
+    :func:`host_lengths`, valid while that tensor lives."""
+    found = _PROMPT_TREES.get(cu.data_ptr()) if cu is not None else None
+    if found is None or found[0]() is None or host_lengths(cu) is None:
+        return None
+    return found[1]
 
 
 def _remember(cu: Tensor, lengths: tuple[int, ...]) -> None:
@@ -155,128 +191,6 @@ def varlen_sdpa(
         q, k, v = (x.unflatten(1, (n, length)).transpose(0, 1) for x in (q, k, v))
         outs.append(attend_one(q, k, v).transpose(0, 1).flatten(1, 2))
     return torch.cat(outs, dim=1).index_select(1, inverse).unsqueeze(0)
-
-
-FLOAT32_BELOW = 256
-"""On CPU, half-precision sequences shorter than this attend in float32 (see :func:`causal_attention`)."""
-
-
-def causal_attention(query: Tensor, key: Tensor, value: Tensor, *, scale: float | None) -> Tensor:
-    """Causal sdpa over ``[B, H, L, D]`` (GQA through ``enable_gqa``), in float32 where that is faster.
-
-    On CPU the bf16 flash-attention kernel's backward costs far more than its float32 one for short
-    sequences (measured on one AVX512-BF16 core, forward + backward: 7× at 2 heads × 20 tokens × 32 dims,
-    4× at 8 heads × 80 tokens, 1.7× at 128 tokens × 64 dims, level at 256, 0.7–0.9× from 512 on), so
-    below :data:`FLOAT32_BELOW` tokens half-precision inputs attend in float32 and the output is cast
-    back: more precise, and the whole bf16 step at 256 wide ran ~1.6× faster. GPUs keep their dtype.
-    """
-    gqa = query.shape[1] != key.shape[1]
-    if query.device.type == "cpu" and query.shape[-2] < FLOAT32_BELOW and _half_precision(query):
-        q, k, v = (x.float() for x in (query, key, value))
-        with torch.autocast("cpu", enabled=False):  # autocast would cast them straight back to bf16
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        return out.to(query.dtype)
-    return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
-
-
-def attend(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    scale: float | None,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: Tensor | None = None,
-) -> Tensor:
-    """Causal attention over ``[B, H, L, D]`` with transformers' per-layer variants; ``[B, H, L, D]`` out.
-
-    ``window``: the query at ``i`` sees keys ``j`` with ``0 <= i - j < window`` (transformers'
-    ``sliding_window``). ``softcap``: scores ``s`` become ``tanh(s / softcap) · softcap`` before the mask
-    (Gemma 2). ``sinks``: ``[H]`` logits, one per query head, added to every softmax denominator
-    (gpt-oss's ``s_aux``). With none of them (or a window no shorter than ``L``) this is
-    :func:`causal_attention`; a window alone is sdpa with a boolean mask; softcap or sinks are computed
-    explicitly. The float32-below-:data:`FLOAT32_BELOW` rule of :func:`causal_attention` holds throughout.
-    """
-    if window is not None and window >= query.shape[-2]:
-        window = None  # the window reaches the first token from every query: plain causal
-    if window is None and softcap is None and sinks is None:
-        return causal_attention(query, key, value, scale=scale)
-    if sinks is not None and sinks.numel() != query.shape[1]:
-        raise ValueError(
-            f"{VARLEN} attention got {sinks.numel()} attention sinks for {query.shape[1]} query heads; "
-            "a wrapper that splits heads (sequence parallelism) must pass each rank its heads' sinks"
-        )
-    fn = _explicit_attention if softcap is not None or sinks is not None else _windowed_sdpa
-    if _float32_on_cpu(query):
-        q, k, v = (x.float() for x in (query, key, value))
-        with torch.autocast("cpu", enabled=False):
-            out = fn(q, k, v, scale=scale, window=window, softcap=softcap, sinks=_float(sinks))
-        return out.to(query.dtype)
-    return fn(query, key, value, scale=scale, window=window, softcap=softcap, sinks=sinks)
-
-
-def window_mask(length: int, window: int | None, device: torch.device) -> Tensor:
-    """``[L, L]`` bool, True where the query (row) may see the key (column): causal, and within
-    ``window`` tokens (the query itself included) when one is given."""
-    pos = torch.arange(length, device=device)
-    behind = pos[:, None] - pos[None, :]
-    allowed = behind >= 0
-    return allowed & (behind < window) if window is not None else allowed
-
-
-def _windowed_sdpa(
-    query: Tensor, key: Tensor, value: Tensor, *, scale: float | None, window: int | None, **_: object
-) -> Tensor:
-    mask = window_mask(query.shape[-2], window, query.device)
-    gqa = query.shape[1] != key.shape[1]
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa)
-
-
-def _explicit_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    scale: float | None,
-    window: int | None,
-    softcap: float | None,
-    sinks: Tensor | None,
-) -> Tensor:
-    """Eager attention with softcap and sinks, as transformers' Gemma 2 and gpt-oss eager functions do it.
-
-    GQA without ``repeat_kv``: query heads ``[H_kv · G]`` (transformers' order: query head ``h`` reads kv
-    head ``h // G``) become ``[H_kv, G]`` and the keys broadcast over ``G``. The softmax runs in float32.
-    """
-    batch, heads, length, dim = query.shape
-    kv_heads = key.shape[1]
-    scale = dim**-0.5 if scale is None else scale
-    q = query.unflatten(1, (kv_heads, heads // kv_heads))  # [B, H_kv, G, L, D]
-    scores = q @ key.unsqueeze(2).transpose(-1, -2) * scale  # [B, H_kv, G, L, L]
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~window_mask(length, window, query.device), float("-inf")).float()
-    if sinks is None:
-        probs = torch.softmax(scores, dim=-1)
-    else:
-        sink = sinks.float().reshape(1, kv_heads, -1, 1, 1).expand(batch, -1, -1, length, 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # the sink adds no value
-    return (probs.to(value.dtype) @ value.unsqueeze(2)).flatten(1, 2)
-
-
-def _float32_on_cpu(query: Tensor) -> bool:
-    return query.device.type == "cpu" and query.shape[-2] < FLOAT32_BELOW and _half_precision(query)
-
-
-def _float(x: Tensor | None) -> Tensor | None:
-    return x.float() if x is not None else None
-
-
-def _half_precision(query: Tensor) -> bool:
-    """Whether sdpa would run in half precision: half inputs (FSDP2 mixed precision), or CPU autocast to a
-    half dtype (an unsharded learner; rotary embeddings have made ``query`` float32 by then)."""
-    half = (torch.bfloat16, torch.float16)
-    return query.dtype in half or (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") in half)
 
 
 @functools.lru_cache(maxsize=16)
@@ -350,7 +264,10 @@ def varlen_attention_forward(
     sinks = kwargs.get("s_aux")
     extras = {"window": sliding_window, "softcap": softcap, "sinks": sinks}
     half = query.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(query.device.type)
-    if query.shape[0] > 1:
+    tree = host_prompt_tree(kwargs.get("cu_seq_lens_q")) if query.shape[0] == 1 else None
+    if tree is not None:  # shared prompts: every kernel runs them split (torch's varlen has no such layout)
+        out = attend_prompt_tree(query, key, value, tree, scale=scaling, **extras)
+    elif query.shape[0] > 1:
         # Several rows (a dummy or right-padded batch): causal attention per row needs no mask because
         # right padding only ever follows the real tokens.
         out = attend(query, key, value, scale=scaling, **extras)

@@ -421,20 +421,26 @@ class TransformersEngine(Engine):
             ],
             self.device,
         )
-        width = max(len(r.req.prompt_ids) for r in rows)
+        # A request's n samples share its prompt: it is prefilled once and its cache rows copied n times.
+        requests = list({id(r.req): r for r in rows if r.index == 0}.values())
+        which = {id(r.req): k for k, r in enumerate(requests)}
+        width = max(len(r.req.prompt_ids) for r in requests)
         pad = self.tokenizer.pad_token_id or 0
         ids = torch.tensor(
-            [[pad] * (width - len(r.req.prompt_ids)) + r.req.prompt_ids for r in rows], device=self.device
+            [[pad] * (width - len(r.req.prompt_ids)) + r.req.prompt_ids for r in requests], device=self.device
         )
         mask = torch.tensor(
-            [[0] * (width - len(r.req.prompt_ids)) + [1] * len(r.req.prompt_ids) for r in rows], device=self.device
+            [[0] * (width - len(r.req.prompt_ids)) + [1] * len(r.req.prompt_ids) for r in requests],
+            device=self.device,
         )
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        state: dict[str, Any] = {"cache": None, "ids": ids, "mask": mask, "pos": pos, "rows": rows}
+        state: dict[str, Any] = {"cache": None, "ids": ids, "mask": mask, "pos": pos, "rows": requests}
+        expand = torch.tensor([which[id(r.req)] for r in rows], dtype=torch.long, device=self.device)
         try:
-            tokens, logps = self._step_sync(state, params)
+            tokens, logps = self._step_sync(state, params, expand=expand)
         except Exception as e:  # before anything of theirs joined the running batch: it goes on without them
             raise _NewcomersFailed from e
+        mask, pos = mask.index_select(0, expand), pos.index_select(0, expand)
         self._counts.update(prefill=1, prefill_rows=len(rows))
         batch = RunningBatch(cache=state["cache"], mask=mask, pos=pos[:, -1] + 1, params=params)
         batch.last = state["next"]
@@ -517,12 +523,21 @@ class TransformersEngine(Engine):
         finally:
             self._forward_idle.set()
 
-    def _step_sync(self, state: dict[str, Any], params: RowParams) -> tuple[list[int], list[float]]:
-        """One forward pass and the sampling of its logits: (tokens, log-probs); the engine's thread."""
+    def _step_sync(
+        self, state: dict[str, Any], params: RowParams, *, expand: Any = None
+    ) -> tuple[list[int], list[float]]:
+        """One forward pass and the sampling of its logits: (tokens, log-probs); the engine's thread.
+
+        ``expand`` (a prefill of shared prompts): for each sampled row, the forward's row it continues; the
+        logits and the new cache rows are copied to match."""
         import torch
 
         with torch.inference_mode():
-            tokens, logps = sample(self._forward_sync(state), params)
+            logits = self._forward_sync(state)
+            if expand is not None and expand.shape[0] != logits.shape[0]:  # else one row per prompt already
+                logits = logits.index_select(0, expand)
+                state["cache"].batch_select_indices(expand)  # repeats copy a row
+            tokens, logps = sample(logits, params)
             state["next"] = tokens  # the next step's input, without a trip through Python
             return tokens.tolist(), logps.tolist()
 

@@ -42,7 +42,8 @@ def _run(model_dir: str, sp: int) -> tuple[list[dict], dict[str, torch.Tensor]]:
         {
             "model": {"path": model_dir},
             "rollout": {"max_tokens": 32},
-            "learner": {**LEARNER, "ulysses_sequence_parallel_size": sp},
+            # SP > 1 copies the prompt per sample; SP 1 does the same here, so both run one layout
+            "learner": {**LEARNER, "ulysses_sequence_parallel_size": sp, "share_prompts": False},
             "algorithm": {"entropy_coeff": 0.01, "use_kl_loss": True, "kl_loss_coef": 0.1},
         }
     )

@@ -105,3 +105,37 @@ def test_real_gemma_with_windows_shorter_than_its_sequences(gemma) -> None:  # t
         _shrink_windows(model, before)
     assert_close(got, want, atol=3e-5, rtol=0)
     assert float((unwindowed - want).abs().max()) > 1e-2  # the shrunk windows change what is compared
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_real_gemma_shared_prompt_scores_as_a_copy_per_sample(gemma, window: int | None) -> None:  # type: ignore[no-untyped-def]
+    """``learner.share_prompts``: the few-shot prompt once, four answers attending to it (with windows of 8
+    too, which then end inside the prompt), against each answer behind its own copy of the prompt."""
+    from learner.logprobs import forward_micro_batch
+    from learner.packing import Sample, make_micro_batch
+
+    model, seqs = gemma
+    prompt = seqs[0]
+    answers = [[2042, 1437, 236787], [236743, 236832], [2042], [236770, 236771, 236772, 236773, 236774]]
+    full = [np.concatenate([prompt, np.array(a)]) for a in answers]
+    samples = [
+        Sample(input_ids=s, prompt_len=len(prompt), behavior_logprobs=np.zeros(len(a)), loss_mask=np.ones(len(a)))
+        for s, a in zip(full, answers, strict=True)
+    ]
+    before = model.config.sliding_window
+    try:
+        if window:
+            _shrink_windows(model, window)
+        with torch.no_grad():
+            whole = _padded_eager(model, full)
+            model.set_attn_implementation(register())
+            mb = make_micro_batch(samples, list(range(len(samples))), packed=True, share_prompts=True)
+            got = forward_micro_batch(model, mb, device=torch.device("cpu"))[0]
+    finally:
+        _shrink_windows(model, before)
+    assert mb.input_ids.shape[1] == len(prompt) + sum(map(len, answers))
+    want, at = [], 0
+    for s in full:
+        want.append(whole[at + len(prompt) - 1 : at + len(s) - 1])
+        at += len(s) - 1
+    assert_close(got, torch.cat(want), atol=3e-5, rtol=0)

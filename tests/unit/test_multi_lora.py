@@ -93,9 +93,11 @@ async def test_one_batch_mixes_adapters_and_each_row_matches_its_merged_model(ti
         before = engine.step_counts()
         outs = await _mixed(engine, prompts)
         counts = engine.step_counts()
-        # One prefill of all 6 rows, and forwards whose rows mix both adapters and the base model.
+        # One prefill for all 6 rows (each request's prompt once, its 2 samples copied after), and forwards whose
+        # rows mix both adapters and the base model.
         assert counts["prefill"] - before["prefill"] == 1 and counts["prefill_rows"] - before["prefill_rows"] == 6
-        assert named_rows[0] == ["a", "a", "b", "b", "", ""]
+        assert named_rows[0] == ["a", "b", ""]
+        assert named_rows[1] == ["a", "a", "b", "b", "", ""]
         assert sum({"a", "b", ""} <= set(r) for r in named_rows) >= 2  # the prefill and at least one decode step
         for name, samples in outs.items():
             # The rows with none: the base model, plain and the engine's own (its hooks add nothing outside a step).

@@ -106,6 +106,25 @@ async def test_step_counts_say_what_the_engine_ran(engine) -> None:
     assert got["decode_rows"] == tokens - 8  # every token after each row's first came from a decode row
 
 
+async def test_a_requests_samples_share_one_prefill_row(engine) -> None:
+    """n samples of a prompt: the prefill forward runs the prompt once (a row per request, not per sample),
+    and each sample still scores as a forward pass of its own (the copied cache rows are the prompt's)."""
+    prompts = [engine.tokenizer(t)["input_ids"] for t in ("one", "a second, longer prompt", "three")]
+    widths: list[int] = []
+    hook = engine.model.register_forward_pre_hook(lambda _m, args, kw: widths.append(kw["input_ids"].shape[0]),
+                                                  with_kwargs=True)  # fmt: skip
+    try:
+        outs = await asyncio.gather(*(engine.generate(p, SamplingSpec(n=4, max_tokens=8, seed=2)) for p in prompts))
+    finally:
+        hook.remove()
+    assert widths[0] == 3 and max(widths[1:], default=0) <= 12  # prefill: 3 prompts; decode: up to 12 rows
+    for prompt, samples in zip(prompts, outs, strict=True):
+        assert len({tuple(s.token_ids) for s in samples}) > 1  # the copies sample on their own
+        for s in samples:
+            ref = forward_logprobs(engine.model, prompt, s.token_ids)
+            torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-4, rtol=1e-4)
+
+
 async def test_seed_reproduces_and_greedy_is_deterministic(engine) -> None:
     ids = engine.tokenizer("seed")["input_ids"]
     a = await engine.generate(ids, SamplingSpec(n=2, max_tokens=8, seed=5))

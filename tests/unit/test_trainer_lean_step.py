@@ -39,7 +39,7 @@ def test_metric_sums_equal_python_floats_added_one_by_one() -> None:
     assert sums.read(n_updates=2)["learner/skipped_updates"] == 1.0
 
 
-def _reference_micro_batch(samples, index, *, packed, pad_id=0):  # type: ignore[no-untyped-def]
+def _reference_micro_batch(samples, index, *, packed, pad_id=0, share_prompts=False):  # type: ignore[no-untyped-def]
     """The micro-batch as the plain step built it: a tensor per sample and field, then ``torch.cat``."""
     from learner.packing import MicroBatch
 
@@ -54,7 +54,7 @@ def _reference_micro_batch(samples, index, *, packed, pad_id=0):  # type: ignore
         targets.append(ids[s.prompt_len :])
         seq_ids.append(torch.full((s.num_completion,), k, dtype=torch.long))
         offset += s.length
-    assert packed, "the step under test packs its rows (use_remove_padding)"
+    assert packed and not share_prompts, "the step under test packs its rows, a copy of the prompt per sample"
     return MicroBatch(
         input_ids=torch.cat(rows)[None],
         position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
@@ -79,8 +79,10 @@ def _reference_per_token(samples, index, name):  # type: ignore[no-untyped-def]
     return torch.cat(parts)
 
 
-def _steps(model_dir: Path, steps: int = 2) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
-    """Metrics per step and the weights after them."""
+def _steps(
+    model_dir: Path, steps: int = 2, *, share_prompts: bool = False
+) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
+    """Metrics per step and the weights after them (``share_prompts``: the learner's knob)."""
     from learner.parallelize import load_model, parallelize
     from learner.synthetic import make_groups
     from learner.trainer import Trainer
@@ -91,7 +93,8 @@ def _steps(model_dir: Path, steps: int = 2) -> tuple[list[dict[str, float]], dic
             "model": {"path": str(model_dir)},
             "rollout": {"max_tokens": 8},
             "learner": {"train_batch_size": 4, "lr": 3e-3, "lr_warmup_steps": 0, "grad_clip": 0.1,
-                        "use_dynamic_bsz": False, "micro_batch_size_per_gpu": 8, "device": "cpu"},
+                        "use_dynamic_bsz": False, "micro_batch_size_per_gpu": 8, "device": "cpu",
+                        "share_prompts": share_prompts},
             "algorithm": {"max_staleness": 1, "loss_agg_mode": "token-mean"},
         }
     )  # fmt: skip

@@ -40,6 +40,13 @@ class LearnerConfig(Section):
     use_remove_padding: bool = True
     """Pack sequences into one row with per-sequence position ids: no compute on padding."""
 
+    share_prompts: bool = True
+    """With packed rows on tether's varlen kernels: a prompt that several samples of a micro-batch share (a
+    GRPO group's) runs through the model once, each completion attending to it — the same log-probs and
+    gradients as one copy per sample, with the prompt's tokens computed once (a long few-shot prompt with
+    short answers: most of the step). On tether's split kernel (CPU, and GPUs without the torch varlen kernel);
+    flash_attention_2, the torch varlen kernel and Ulysses get a copy per sample."""
+
     use_dynamic_bsz: bool = True
     """Form micro-batches by token budget instead of a fixed count."""
 
