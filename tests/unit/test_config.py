@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -207,3 +208,26 @@ def test_stuck_timeout_defaults_on_and_zero_turns_it_off() -> None:
     assert load_config(None, ["--learner.stuck_timeout_s", "0"]).learner.stuck_timeout_s == 0
     with pytest.raises(ConfigError, match=r"learner\.stuck_timeout_s"):
         load_config(None, ["--learner.stuck_timeout_s", "-1"])
+
+
+def test_vllm_max_lora_rank_is_one_vllm_accepts() -> None:
+    """vLLM 0.32 refuses any max_lora_rank outside its list at engine start; the config says so first."""
+    from pydantic import ValidationError
+
+    from tether.config.rollout import VLLM_LORA_RANKS
+
+    assert VllmEngineConfig(max_lora_rank=320).max_lora_rank == 320
+    with pytest.raises(ValidationError, match=r"not 48; the next one up is 64"):
+        VllmEngineConfig(max_lora_rank=48)
+    with pytest.raises(ValidationError, match="not 1024"):
+        VllmEngineConfig(max_lora_rank=1024)
+    assert 64 in VLLM_LORA_RANKS  # the default
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_the_lora_ranks_are_vllms_own() -> None:
+    from vllm.config.lora import MaxLoRARanks
+
+    from tether.config.rollout import VLLM_LORA_RANKS
+
+    assert set(VLLM_LORA_RANKS) == set(MaxLoRARanks.__args__)

@@ -8,6 +8,9 @@ from pydantic import Field, field_validator, model_validator
 
 from tether.config.base import Section
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM accepts (its ``MaxLoRARanks``, 0.32); any other fails the engine's start."""
+
 
 class TransformersEngineConfig(Section):
     """Batched generation with Hugging Face transformers and a KV cache; runs anywhere."""
@@ -45,7 +48,17 @@ class VllmEngineConfig(Section):
     """Adapters in one batch where LoRA runs of one base share this engine on a fleet (vLLM ``max_loras``);
     an update holds two versions of a run's adapter for a while, so give two per run."""
     max_lora_rank: int = Field(default=64, gt=0)
-    """Highest adapter rank such a shared engine accepts (vLLM ``max_lora_rank``); a run above it gets its own."""
+    """Highest adapter rank such a shared engine accepts (vLLM ``max_lora_rank``: one of
+    :data:`VLLM_LORA_RANKS`); a run above it gets its own."""
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _vllm_lora_rank(cls, rank: int) -> int:
+        if rank not in VLLM_LORA_RANKS:
+            above = [r for r in VLLM_LORA_RANKS if r > rank]
+            hint = f"; the next one up is {above[0]}" if above else ""
+            raise ValueError(f"vLLM takes max_lora_rank from {list(VLLM_LORA_RANKS)}, not {rank}{hint}")
+        return rank
 
 
 class SglangEngineConfig(Section):
