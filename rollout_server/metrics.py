@@ -61,7 +61,9 @@ class ServerMetrics:
 
     def watch_weight_pulls(self, counts: Callable[[], dict[str, float]]) -> None:
         """Export the store transport's pull counters (``weight_sync.puller.Puller.stats``), read at scrape:
-        ``tether_rollout_weight_pulls{what}`` = pulls, pull_failures, bytes, corrupt_chunks, source_failures."""
+        ``tether_rollout_weight_pulls{what}`` = pulls, pull_failures, load_failures (a pulled version that did not
+        load whole: the version held before is loaded back, or the engine stays paused), bytes, corrupt_chunks,
+        source_failures."""
         self.registry.register(_WeightPulls(counts))
 
     def add_tokens(self, n: int) -> None:

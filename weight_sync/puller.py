@@ -131,8 +131,10 @@ class Puller:
         self.inflight = inflight or self.wcfg.inflight
         self.held: Weights | None = None
         self.spare: Weights | None = None
-        self.stats: dict[str, float] = {"pulls": 0, "pull_failures": 0, "bytes": 0, "corrupt_chunks": 0,
-                                        "source_failures": 0}  # fmt: skip
+        self.stats: dict[str, float] = {"pulls": 0, "pull_failures": 0, "load_failures": 0, "bytes": 0,
+                                        "corrupt_chunks": 0, "source_failures": 0}  # fmt: skip
+        self.mixed = False
+        """A load failed half-way and nothing whole could be loaded back: the engine is paused until one does."""
         self.bytes_by_kind: dict[str, int] = {}
         self.last: FetchStats | None = None
         self.chunks = HeldChunks(cache_bytes=256 * 2**20)
@@ -236,18 +238,41 @@ class Puller:
     async def _swap(self, weights: Weights, manifest: Manifest | None) -> None:
         if weights is self.held:
             return
-        await self.loader.pause(self.inflight)
+        if not self.mixed:  # after a load that failed half-way the engine is still paused
+            await self.loader.pause(self.inflight)
         try:
             # Kept or copied, the rotation is the same: the old buffer is free once the new one is served.
             await self.delivery.load_pulled(weights, on_kept=lambda: None)
-            self.loader.policy_version = weights.version
-        finally:
-            await self.loader.resume()
+        except Exception as e:
+            # Some tensors may be the new version's and some the old's: never serve that under either tag.
+            self.stats["load_failures"] += 1
+            self.mixed = not await self._restore_held()
+            log.error("weight_pull_load_failed", version=weights.version, error=str(e),
+                      serving=None if self.mixed else self.loader.policy_version, paused=self.mixed)  # fmt: skip
+            if not self.mixed:
+                await self.loader.resume()
+            raise
+        self.loader.policy_version = weights.version
+        self.mixed = False
+        await self.loader.resume()
         old, self.held = self.held, weights
         # The engine serves the new buffer (kept) or its own copy: either way the old one is free now.
         self.spare = old
         if manifest is not None:
             self.chunks.hold(weights, manifest)
+
+    async def _restore_held(self) -> bool:
+        """Load the version this server held whole again after a failed load; False when it holds none (the
+        first pull: its weights came from the model folder) or that load fails too — the engine then stays
+        paused until a pull loads whole (the next poll retries), rather than generate from mixed weights."""
+        if self.held is None:
+            return False
+        try:
+            await self.delivery.load_pulled(self.held, on_kept=lambda: None)
+        except Exception as e:
+            log.error("weight_restore_failed", version=self.held.version, error=str(e))
+            return False
+        return True
 
     def close(self) -> None:
         self.service.stop(0)
