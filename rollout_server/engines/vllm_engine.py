@@ -311,13 +311,46 @@ def check_weight_transport(cfg: TetherConfig) -> None:
         raise EngineError(str(e)) from None
 
 
-def shared_copy(weights: Weights) -> Path:
-    """``weights``' bits in a file under /dev/shm (memory, not disk; a temp folder where there is none)."""
-    folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    fd, name = tempfile.mkstemp(prefix=f"tether-v{weights.version}-", suffix=".bits", dir=folder)
-    with os.fdopen(fd, "wb") as f:
-        f.write(memoryview(weights.bits).cast("B"))
-    return Path(name)
+SHM_HEADROOM = 256 * 2**20
+"""Bytes a pulled version leaves free in a folder it is written to (others share /dev/shm: NCCL, vLLM's own)."""
+
+
+def copy_folders() -> list[Path]:
+    """Where a pulled version's file may go, best first: /dev/shm (memory), then the temp folder (disk)."""
+    shm = Path("/dev/shm")
+    return [shm, Path(tempfile.gettempdir())] if shm.is_dir() else [Path(tempfile.gettempdir())]
+
+
+def shared_copy(weights: Weights, *, folders: list[Path] | None = None, free=None) -> Path:  # type: ignore[no-untyped-def]
+    """``weights``' bits in a file the workers map: under /dev/shm where it fits with :data:`SHM_HEADROOM` to
+    spare (Docker's default is 64 MB; a full tmpfs makes the mapping process SIGBUS), else in the temp folder
+    (a disk read), else a clear error naming the sizes. ``free``: bytes free in a folder (``shutil``'s)."""
+    import shutil
+
+    free = free or (lambda folder: shutil.disk_usage(folder).free)
+    need = int(weights.bits.nbytes)
+    seen = []
+    for folder in folders if folders is not None else copy_folders():
+        room = int(free(folder))
+        seen.append(f"{folder}: {room / 2**30:.2f} GiB free")
+        if room < need + SHM_HEADROOM:
+            continue
+        if len(seen) > 1:  # a folder before this one had no room
+            hint = "/dev/shm is too small for a version: raise it (docker --shm-size, compose shm_size)"
+            log.warning("pulled_weights_on_disk", folder=str(folder), need_gib=round(need / 2**30, 2), hint=hint)
+        fd, name = tempfile.mkstemp(prefix=f"tether-v{weights.version}-", suffix=".bits", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(memoryview(weights.bits).cast("B"))
+        except OSError:  # filled meanwhile (ENOSPC): this folder is not an option now
+            Path(name).unlink(missing_ok=True)
+            continue
+        return Path(name)
+    raise EngineError(
+        f"no room for pulled version {weights.version} ({need / 2**30:.2f} GiB + {SHM_HEADROOM >> 20} MiB to spare): "
+        + "; ".join(seen)
+        + " — raise /dev/shm (docker --shm-size) or free the temp folder"
+    )
 
 
 class _Seen:
@@ -451,7 +484,7 @@ class WorkerDelivery(Delivery):
         """A pulled version (store transport): its bits go to a shared-memory file the workers map (strings
         cross ``collective_rpc``, never tensors or pickles); each worker reloads from it, then it is removed."""
         sums = self.wcfg.verify_checksums
-        path = shared_copy(weights)
+        path = await asyncio.to_thread(shared_copy, weights)  # a whole version: never on the event loop
         try:
             layout = json.dumps([[e.name, list(e.shape), e.offset] for e in weights.entries])
             results = await self._rpc("tether_load_pulled", str(path), layout, weights.dtype, sums, self.lora_scale)
