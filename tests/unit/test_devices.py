@@ -30,6 +30,20 @@ def test_enough_gpus_give_each_process_its_own() -> None:
     assert not plan.shared
 
 
+def test_a_tensor_parallel_server_gets_as_many_gpus_as_its_size() -> None:
+    engine = {"type": "vllm", "gpu_memory_utilization": 0.4, "tensor_parallel_size": 2}
+    plan = plan_devices(_cfg(learner={"nproc_per_node": 2}, rollout={"num_servers": 2, "engine": engine}), gpus=6)
+    assert plan.learner_env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert plan.rollout_envs == [{"CUDA_VISIBLE_DEVICES": "2,3"}, {"CUDA_VISIBLE_DEVICES": "4,5"}]
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size 2 \(6 GPUs\)"):
+        plan_devices(_cfg(learner={"nproc_per_node": 2}, rollout={"num_servers": 2, "engine": engine}), gpus=5)
+    with pytest.raises(ConfigError, match="GPUs of its own"):  # never squeezed onto the shared GPU
+        plan_devices(_cfg(rollout={"engine": engine}), gpus=2)
+    sglang = {"type": "sglang", "gpu_memory_utilization": 0.4, "tensor_parallel_size": 4}
+    plan = plan_devices(_cfg(rollout={"engine": sglang}), gpus=5)
+    assert plan.rollout_envs == [{"CUDA_VISIBLE_DEVICES": "1,2,3,4"}]
+
+
 def test_one_gpu_is_shared_when_the_engine_leaves_the_learner_room() -> None:
     plan = plan_devices(_cfg(), gpus=1)
     assert plan.shared

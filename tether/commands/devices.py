@@ -3,8 +3,9 @@
 Without a plan every process would open ``cuda:0``: on a box with several GPUs the learner and vLLM would
 crowd the first one, and on a box with one GPU vLLM's default share (85 % of its memory) would leave the
 learner nothing. So ``tether up`` gives the learner's ranks GPUs ``0 … nproc−1`` and each rollout server
-a GPU of its own after them (``CUDA_VISIBLE_DEVICES``); when there are not enough GPUs for that but the run
-is one learner rank and GPU engines on a single GPU, they share GPU 0, provided the engines leave the
+GPUs of its own after them, as many as its ``tensor_parallel_size`` (``CUDA_VISIBLE_DEVICES``); when there
+are not enough GPUs for that but the run is one learner rank and GPU engines of one GPU each on a single
+GPU, they share GPU 0, provided the engines leave the
 learner room (``rollout.engine.gpu_memory_utilization`` at most :data:`SHARED_ENGINE_SHARE` in all) and
 the weights travel by filesystem (NCCL cannot put two ranks on one GPU). Anything else is a config error
 that says what to change. CPU runs (the transformers engine on CPU, ``learner.device: cpu``) are left alone.
@@ -59,15 +60,25 @@ def plan_devices(cfg: TetherConfig, gpus: int) -> DevicePlan:
     """The ``CUDA_VISIBLE_DEVICES`` of the learner and of each rollout server on a box with ``gpus`` GPUs."""
     learner_gpu, engine_gpu = _uses_gpu(cfg, gpus)
     nproc, servers = cfg.learner.nproc_per_node, cfg.rollout.num_servers
+    tp = getattr(cfg.rollout.engine, "tensor_parallel_size", 1) if engine_gpu else 0  # GPUs per server
     if gpus == 0 or not (learner_gpu or engine_gpu):
         return DevicePlan(rollout_envs=[{} for _ in range(servers)])
-    needed = (nproc if learner_gpu else 0) + (servers if engine_gpu else 0)
+    needed = (nproc if learner_gpu else 0) + servers * tp
     if gpus >= needed:
         learner_ids = list(range(nproc)) if learner_gpu else []
         first = len(learner_ids)
         learner_env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, learner_ids))} if learner_gpu else {}
-        rollout = [{"CUDA_VISIBLE_DEVICES": str(first + i)} if engine_gpu else {} for i in range(servers)]
+        rollout = [
+            {"CUDA_VISIBLE_DEVICES": ",".join(str(first + i * tp + k) for k in range(tp))} if engine_gpu else {}
+            for i in range(servers)
+        ]
         return DevicePlan(learner_env, rollout)
+    if tp > 1:
+        raise ConfigError(
+            f"{gpus} GPU(s) for {nproc if learner_gpu else 0} learner rank(s) and {servers} rollout server(s) of "
+            f"tensor_parallel_size {tp} ({needed} GPUs): a tensor-parallel engine needs GPUs of its own — fewer "
+            "servers, a smaller rollout.engine.tensor_parallel_size, or the fleet on its own node (docs/FLEETS.md)"
+        )
     if nproc == 1 and gpus >= 1:
         return _shared_plan(cfg, servers)
     cpu_engine = (
