@@ -24,8 +24,9 @@ SGLang loads them with the model's ``load_weights`` and flushes its cache).
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -56,9 +57,21 @@ def sample_seed(seed: int | None, index: int) -> int | None:
     return None if seed is None else (seed * 65537 + index) % 2**63
 
 
+def sglang_logprob_source(environ: Mapping[str, str] = os.environ) -> Literal["raw", "processed"]:
+    """What SGLang's ``output_token_logprobs`` are: after temperature (``processed``, as the sampler drew them,
+    temperature 0 read as 1) unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set true in the environment its
+    scheduler processes inherit — then the T = 1 distribution (``raw``). SGLang's sampler reads the flag the
+    way this does (``get_bool_env_var``: ``true`` or ``1``, any case)."""
+    flag = environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "false").strip().lower()
+    return "raw" if flag in ("true", "1") else "processed"
+
+
 class SglangEngine(ResumeEvent, Engine):
     name = "sglang"
-    logprob_source = "raw"
+
+    @property
+    def logprob_source(self) -> Literal["raw", "processed"]:  # type: ignore[override]
+        return sglang_logprob_source()
 
     def __init__(self, cfg: TetherConfig) -> None:
         try:

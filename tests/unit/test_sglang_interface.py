@@ -371,3 +371,21 @@ def test_the_recording_matches_the_installed_sglang() -> None:
             got = getattr(real, name)
             assert list(inspect.signature(got).parameters) == list(inspect.signature(fn).parameters), name
             assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(fn), name
+
+
+def test_sglang_logprobs_are_declared_as_what_its_sampler_returns() -> None:
+    """SGLang returns log-probs after temperature unless SGLANG_RETURN_ORIGINAL_LOGPROB is true (issue 44, item 6):
+    the learner must score them at the sample's temperature (``processed``), not at T = 1 (``raw``)."""
+    from learner.batch import sample_temperature
+    from rollout_server.engines.sglang_engine import sglang_logprob_source
+    from tether.trajectory import TEMPERATURE_KEY, TrajectoryData
+
+    assert sglang_logprob_source({}) == "processed"
+    assert sglang_logprob_source({"SGLANG_RETURN_ORIGINAL_LOGPROB": "False"}) == "processed"
+    for flag in ("1", "true", "TRUE"):
+        assert sglang_logprob_source({"SGLANG_RETURN_ORIGINAL_LOGPROB": flag}) == "raw"
+    one = {"prompt_token_ids": [1], "completion_token_ids": [2], "behavior_logprobs": [-1.0], "policy_versions": [0]}
+    t = TrajectoryData(
+        **one, loss_mask=[1], metadata={TEMPERATURE_KEY: "0.7"}, logprob_source=sglang_logprob_source({})
+    )
+    assert sample_temperature(t, 1.0) == pytest.approx(0.7)
