@@ -98,8 +98,8 @@ async def test_aborted_samples_are_not_scored_trained_or_uncounted(state, redis_
     loop, steps, step_sync = asyncio.get_running_loop(), asyncio.Event(), s.engine._step_sync
     emitted: list[int] = []
 
-    def counting_step(state, params):  # the real decode step (engine thread); counts decode steps
-        out = step_sync(state, params)
+    def counting_step(state, params, **kw):  # the real step (engine thread); counts the steps of all 4 rows
+        out = step_sync(state, params, **kw)
         if state["ids"].shape[0] == 4:  # all four samples in the batch (they may join it one by one)
             emitted.append(1)
         if len(emitted) == 4:  # the 4th step's forward is done, so the first 3 steps' tokens are recorded
