@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                         "micro_batch_size_per_gpu": micro_batch,
                         "max_token_len_per_gpu": budget,
                         "lr": 1e-5,
+                        # the layouts of padding alone: prompts copied per sample on every side (what sharing
+                        # them is worth is bench/real_model.py's figure)
+                        "share_prompts": False,
                     },
                 }
             )
