@@ -207,12 +207,12 @@ def row_tokens(samples: list[Sample], index: list[int], *, share_prompts: bool) 
     prompt k samples share counts once instead of k times."""
     total = sum(samples[i].length for i in index)
     if share_prompts:
-        seen: dict[bytes, int] = {}
+        seen: set[bytes] = set()
         for i in index:
             key = prompt_key(samples[i])
             if key in seen:
                 total -= samples[i].prompt_len
-            seen[key] = 1
+            seen.add(key)
     return total
 
 

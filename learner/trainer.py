@@ -438,8 +438,9 @@ class Trainer:
         rewards = [s.reward for s in samples]
         stale = [s.staleness for s in samples]
         tokens = sum(s.length for s in samples)
-        share = self.share_prompts and self.cfg.learner.use_remove_padding
-        computed = sum(row_tokens(samples, mb, share_prompts=share) for plan in plans for rank in plan for mb in rank)
+        computed = sum(
+            row_tokens(samples, mb, share_prompts=self.share_prompts) for plan in plans for rank in plan for mb in rank
+        )
         out.update(
             {
                 "actor/lr": self.scheduler.get_last_lr()[0],

@@ -74,11 +74,10 @@ VARLEN = "tether_varlen"
 VARLEN_TORCH = "tether_varlen_torch"
 """The ``attn_implementation`` name of the ``torch`` kernel (``torch.nn.attention.varlen.varlen_attn``)."""
 
-_HOST_LENGTHS: dict[int, tuple[weakref.ref, tuple[int, ...]]] = {}
-"""Lengths of the live ``cu_seqlens`` tensors, by their storage address (see :func:`host_lengths`)."""
+_HOST_LENGTHS: dict[int, tuple[weakref.ref, tuple[int, ...], PromptTree | None]] = {}
+"""Lengths of the live ``cu_seqlens`` tensors, by their storage address (see :func:`host_lengths`), and the
+shared-prompt layout of those :func:`prompt_tree_kwargs` built."""
 _HOST_LENGTHS_KEPT = 64
-_PROMPT_TREES: dict[int, tuple[weakref.ref, PromptTree]] = {}
-"""The shared-prompt layouts of the live ``cu_seqlens`` tensors that :func:`prompt_tree_kwargs` built."""
 
 
 def cu_seqlens_from_position_ids(position_ids: Tensor) -> Tensor:
@@ -95,16 +94,19 @@ def cu_seqlens_from_position_ids(position_ids: Tensor) -> Tensor:
     return torch.cat([idx, end]).to(torch.int32)
 
 
-def cu_seqlens_kwargs(lengths: list[int], device: torch.device | None = None) -> dict:
+def cu_seqlens_kwargs(
+    lengths: list[int], device: torch.device | None = None, *, prompt_tree: PromptTree | None = None
+) -> dict:
     """The flash-attention kwargs of a packed row of sequences of ``lengths`` tokens.
 
     Passed to the model's forward they reach the attention function of every layer, so the boundaries
-    are computed once per micro-batch; ``flash_attention_2`` reads the same keys.
+    are computed once per micro-batch; ``flash_attention_2`` reads the same keys. ``prompt_tree``: the
+    row's shared-prompt layout, remembered beside the lengths (use :func:`prompt_tree_kwargs`).
     """
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
     cu = cu.to(device) if device is not None else cu
-    _remember(cu, tuple(int(n) for n in lengths))
+    _remember(cu, tuple(int(n) for n in lengths), prompt_tree)
     longest = max(lengths)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
@@ -117,25 +119,20 @@ def prompt_tree_kwargs(tree: PromptTree, device: torch.device | None = None) -> 
     Only this module's kernels read it: flash_attention_2 would take the segments for whole sequences, so
     the learner shares prompts only on the ``tether_varlen`` kernels.
     """
-    kwargs = cu_seqlens_kwargs([n for prompt, completions in tree for n in (prompt, *completions)], device)
-    cu = kwargs["cu_seq_lens_q"]
-    _PROMPT_TREES[cu.data_ptr()] = (weakref.ref(cu), tree)
-    while len(_PROMPT_TREES) > _HOST_LENGTHS_KEPT:
-        del _PROMPT_TREES[next(iter(_PROMPT_TREES))]
-    return kwargs
+    segments = [n for prompt, completions in tree for n in (prompt, *completions)]
+    return cu_seqlens_kwargs(segments, device, prompt_tree=tree)
 
 
 def host_prompt_tree(cu: Tensor | None) -> PromptTree | None:
     """The shared-prompt layout :func:`prompt_tree_kwargs` built ``cu`` for (None: plain sequences); as
     :func:`host_lengths`, valid while that tensor lives."""
-    found = _PROMPT_TREES.get(cu.data_ptr()) if cu is not None else None
-    if found is None or found[0]() is None or host_lengths(cu) is None:
+    if cu is None or host_lengths(cu) is None:
         return None
-    return found[1]
+    return _HOST_LENGTHS[cu.data_ptr()][2]
 
 
-def _remember(cu: Tensor, lengths: tuple[int, ...]) -> None:
-    _HOST_LENGTHS[cu.data_ptr()] = (weakref.ref(cu), lengths)
+def _remember(cu: Tensor, lengths: tuple[int, ...], tree: PromptTree | None) -> None:
+    _HOST_LENGTHS[cu.data_ptr()] = (weakref.ref(cu), lengths, tree)
     while len(_HOST_LENGTHS) > _HOST_LENGTHS_KEPT:
         del _HOST_LENGTHS[next(iter(_HOST_LENGTHS))]
 
