@@ -8,8 +8,6 @@ token), and TLS when a certificate pair is configured.
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tether.grpc_auth import BearerAuth
 from tether.grpc_parse import ParseGuard
 from tether.v1 import control_pb2, control_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
@@ -24,47 +23,6 @@ SERVICE_NAMES = (
     rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name,
     control_pb2.DESCRIPTOR.services_by_name["Control"].full_name,
 )
-# Open without a token, as in tether.reward_service: probes cannot send metadata, and reflection reveals only
-# the public protos.
-_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-
-
-class BearerAuth(grpc.aio.ServerInterceptor):
-    """Requires ``authorization: Bearer <token>`` on every call except health and reflection."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-    async def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(_OPEN_PREFIXES):
-            return handler
-        got = dict(details.invocation_metadata or ()).get("authorization", "")
-        got_b = got.encode() if isinstance(got, str) else got
-        if hmac.compare_digest(got_b, self._expected):
-            return handler
-        msg = ("missing 'authorization: Bearer <token>' metadata" if not got else "wrong bearer token") + (
-            f" for {details.method}"
-        )
-        return _deny(handler, msg)
-
-
-def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    async def unary(_request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    async def streaming(_request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover - makes this an async generator
-
-    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary, **kw)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary, **kw)
-    return grpc.stream_stream_rpc_method_handler(streaming, **kw)
 
 
 def message_options(max_bytes: int) -> list[tuple[str, Any]]:

@@ -22,25 +22,23 @@ or SIGINT reports NOT_SERVING, then finishes in-flight calls within the grace pe
 from __future__ import annotations
 
 import asyncio
-import hmac
 import inspect
 import math
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tether.grpc_auth import BearerAuth
 from tether.grpc_parse import ParseGuard
 from tether.v1 import reward_pb2, reward_pb2_grpc
 
 ScoreResult = float | tuple[float, dict[str, float]]
 # Caller mistakes: the service answers INVALID_ARGUMENT and carries on.
 BAD_INPUT = (ValueError, KeyError, TypeError)
-# Open without a token: probes (kubelet, docker) and reflection cannot send metadata.
-_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
 class RewardService(reward_pb2_grpc.RewardServicer):
@@ -100,31 +98,6 @@ def _message(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls without ``authorization: Bearer <token>`` with UNAUTHENTICATED."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]], details: Any
-    ) -> grpc.RpcMethodHandler:
-        if details.method.startswith(_OPEN_PREFIXES):
-            return await continuation(details)
-        sent = dict(details.invocation_metadata or ()).get("authorization", "")
-        sent = sent.encode() if isinstance(sent, str) else sent
-        if hmac.compare_digest(sent, self._expected):  # constant time: no token-guessing by timing
-            return await continuation(details)
-        handler = await continuation(details)
-
-        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong 'authorization: Bearer' token")
-
-        if handler is not None and handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(deny)
-        return grpc.unary_unary_rpc_method_handler(deny)
-
-
 async def start_server(
     service: RewardService,
     *,
@@ -135,7 +108,7 @@ async def start_server(
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """Start the server (health SERVING once bound); returns ``(server, health, bound_port)``."""
     # ParseGuard: a body that is not protobuf is the caller's error (INVALID_ARGUMENT), not UNKNOWN.
-    interceptors = [*([BearerTokenInterceptor(token)] if token else []), ParseGuard()]
+    interceptors = [*([BearerAuth(token)] if token else []), ParseGuard()]
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),

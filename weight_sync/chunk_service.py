@@ -22,16 +22,16 @@ carrying bare bytes.
 
 from __future__ import annotations
 
-import hmac
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tether.grpc_auth import SyncBearerAuth
 from tether.logs import get_logger
 from tether.v1 import weights_pb2
 from weight_sync.manifest import Manifest, ManifestError, WeightVersionError
@@ -52,7 +52,6 @@ MAX_WAIT_S = 60.0
 KINDS = ("peer", "relay", "origin")
 _HASH = re.compile(r"[0-9a-f]{32}")
 _PIECE_TAG = b"\x0a"  # ChunkPiece.data: field 1, wire type 2 (length-delimited)
-_OPEN_PREFIXES = ("/grpc.health.v1.Health/",)  # probes cannot send metadata
 
 
 def _options() -> list[tuple[str, Any]]:
@@ -162,42 +161,6 @@ class WeightStoreServicer:
         server.add_registered_method_handlers(SERVICE, handlers)
 
 
-class BearerAuth(grpc.ServerInterceptor):
-    """Requires ``authorization: Bearer <token>`` on every call except health (the synchronous twin of the
-    rollout server's interceptor)."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-    def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Any], details: grpc.HandlerCallDetails
-    ) -> Any:
-        handler = continuation(details)
-        if handler is None or details.method.startswith(_OPEN_PREFIXES):
-            return handler
-        got = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
-            return handler
-        message = ("missing 'authorization: Bearer <token>' metadata" if not got else "wrong bearer token") + (
-            f" for {details.method}"
-        )
-        return _deny(handler, message)
-
-
-def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    def unary(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    def streaming(_request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover - makes this a generator
-
-    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
-    return grpc.unary_unary_rpc_method_handler(unary, **kw)
-
-
 class ChunkServer:
     """A running :func:`serve`: its :attr:`address`, :meth:`stop`."""
 
@@ -237,7 +200,7 @@ def serve(
     bearer token (health stays open for probes); ``threads``: calls served at once (each waiting call holds one)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weight-store"),
-        interceptors=[BearerAuth(token)] if token else [],
+        interceptors=[SyncBearerAuth(token)] if token else [],
         options=[*_options(), ("grpc.so_reuseport", 0)],
     )
     servicer = WeightStoreServicer(provider)
