@@ -21,6 +21,12 @@ import pytest
 import redis
 from hypothesis import settings
 
+from tests.process_guard import (  # noqa: F401 (hooks: no test leaves a process behind)
+    pytest_configure,
+    pytest_fixture_post_finalizer,
+    pytest_fixture_setup,
+    pytest_runtest_teardown,
+)
 from tether.redis_server import EmbeddedRedis, bundled_redis_executable, free_port
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)

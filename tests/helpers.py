@@ -4,6 +4,7 @@ spawned gloo group cleanly."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -19,6 +20,13 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def interruptible() -> None:
+    """``preexec_fn`` for a child a test will Ctrl-C: SIGINT back at its default. A runner started from a
+    background job (``make test &``) has SIGINT ignored, every child inherits that, and a Python started with
+    SIGINT ignored never raises KeyboardInterrupt: the test would fail though tether is right."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def leave_group() -> None:

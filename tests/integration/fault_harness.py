@@ -23,14 +23,16 @@ import redis
 import yaml
 
 from buffer import RedisKeys, ServerRegistry, buffer_stats, read_version
+from tests.helpers import interruptible
 from tether.metrics import read_metrics
 from tether.orphans import die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _child_setup() -> None:  # between fork and exec: own process group, and die with the test
+def _child_setup() -> None:  # between fork and exec: own process group, Ctrl-C-able, and die with the test
     os.setsid()
+    interruptible()
     die_with_parent(signal.SIGKILL)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.helpers import alive, wait_gone
+from tests.helpers import alive, interruptible, wait_gone
 from tether.redis_server import EmbeddedRedis, RedisUnavailable, connect_redis, free_port
 
 
@@ -50,7 +50,9 @@ def test_no_orphan_when_the_parent_dies(tmp_path: Path, how: int) -> None:
             print(url.rsplit(':', 1)[1].split('/')[0], flush=True)
             time.sleep(600)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, preexec_fn=interruptible
+    )
     port = int(parent.stdout.readline())
     client = redis.Redis(port=port)
     redis_pid = int(client.info("server")["process_id"])

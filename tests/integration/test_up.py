@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import processes_mentioning, wait_gone
+from tests.helpers import interruptible, processes_mentioning, wait_gone
 from tether.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,6 +152,7 @@ def _start_up(cfg: Path, *overrides: str) -> subprocess.Popen[str]:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,  # its own process group, as a shell gives a foreground job
+        preexec_fn=interruptible,
     )
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers import interruptible
 from tether.records import DEAD_LETTERS, GENERATIONS, read_records
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,7 +32,10 @@ STEPS = 5
 CLASSES = ("digits", "lower", "upper")
 
 
+@pytest.fixture
 def chromium() -> str:
+    """Decided before the test starts work: a skip (or, under CI, a failure) raised mid-test would leave the
+    work half done and be reported as a failure."""
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     if exe is None:
         reason = "needs Debian's chromium (apt-get install chromium; .ci/run installs it)"
@@ -41,9 +45,9 @@ def chromium() -> str:
     return exe
 
 
-def browse(url: str, profile: Path, *, screenshot: Path | None = None) -> str:
+def browse(chromium: str, url: str, profile: Path, *, screenshot: Path | None = None) -> str:
     """The DOM after the page's script ran (or a screenshot of it): headless Chromium, as root."""
-    args = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+    args = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
             f"--user-data-dir={profile}", "--window-size=1280,1000"]  # fmt: skip
     args += [f"--screenshot={screenshot}", "--hide-scrollbars"] if screenshot else ["--dump-dom"]
     out = subprocess.run([*args, url], capture_output=True, text=True, timeout=120)
@@ -163,39 +167,41 @@ def test_the_learner_keeps_a_sample_of_each_step_and_the_dead_letters(run_dir: P
 
 
 @pytest.mark.slow
-def test_the_page_shows_a_chosen_step_in_headless_chromium(run_dir: Path, tmp_path: Path) -> None:
+def test_the_page_shows_a_chosen_step_in_headless_chromium(run_dir: Path, tmp_path: Path, chromium: str) -> None:
     page = tmp_path / "page.html"
     out = subprocess.run([sys.executable, "-m", "tether", "view", str(run_dir), "--out", str(page)], cwd=REPO,
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     step3 = [g for g in _groups(run_dir) if g["step"] == 3]
-    dom = browse(page.as_uri() + "#step=3", tmp_path / "profile")
+    dom = browse(chromium, page.as_uri() + "#step=3", tmp_path / "profile")
     cards = [c for c in Cards(dom).cards if c["kind"] == "group"]
     assert [c["group"] for c in cards] == [g["group_id"] for g in step3] and {c["step"] for c in cards} == {"3"}
     for card, g in zip(cards, step3, strict=True):
         assert card["prompt"] == _prompt_text(run_dir, g["prompt"])
         assert [float(r) for r in card["rewards"]] == pytest.approx([s["reward"] for s in g["samples"]], abs=5e-4)
     assert html.escape(_prompt_text(run_dir, step3[0]["prompt"]), quote=False) in dom
-    whole = Cards(browse(page.as_uri() + "#color=logprob", tmp_path / "profile")).cards
+    whole = Cards(browse(chromium, page.as_uri() + "#color=logprob", tmp_path / "profile")).cards
     assert sum(c["kind"] == "group" for c in whole) == 2 * STEPS
     dead = [c for c in whole if c["kind"] == "dead"]
     assert dead and all("reward failed" in c["reason"] for c in dead)
     shot = tmp_path / "viewer.png"
-    browse(page.as_uri() + "#step=3", tmp_path / "profile", screenshot=shot)
+    browse(chromium, page.as_uri() + "#step=3", tmp_path / "profile", screenshot=shot)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 1000
 
 
 @pytest.mark.slow
-def test_the_served_page_loads_from_its_url(run_dir: Path, tmp_path: Path) -> None:
+def test_the_served_page_loads_from_its_url(run_dir: Path, tmp_path: Path, chromium: str) -> None:
     server = subprocess.Popen([sys.executable, "-m", "tether", "view", str(run_dir), "--port", "0"], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=interruptible)  # fmt: skip
     try:
         line = server.stdout.readline()  # printed once the page is built and the port is open
         assert "http://127.0.0.1:" in line, line + server.stderr.read()
         url = line.split(" at ", 1)[1].split()[0]
         with urllib.request.urlopen(url, timeout=30) as reply:
             assert reply.status == 200 and b"tether view" in reply.read()
-        cards = [c for c in Cards(browse(url + "#step=2", tmp_path / "profile")).cards if c["kind"] == "group"]
+        cards = Cards(browse(chromium, url + "#step=2", tmp_path / "profile")).cards
+        cards = [c for c in cards if c["kind"] == "group"]
         assert [c["group"] for c in cards] == [g["group_id"] for g in _groups(run_dir) if g["step"] == 2]
     finally:
         server.send_signal(signal.SIGINT)

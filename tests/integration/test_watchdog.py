@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers import interruptible
 from tests.integration.test_up import REPO, write_config
 from tether.redis_server import free_port
 
@@ -49,7 +50,8 @@ def _up(tmp_path: Path, model: Path, run_id: str, **changes: dict) -> tuple[subp
     cfg_path.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "up.out"
     proc = subprocess.Popen([sys.executable, "-m", "tether", "up", "--config", str(cfg_path)], cwd=REPO,
-                            stdout=out.open("w"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                            stdout=out.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=interruptible)  # fmt: skip
     return proc, out, cfg_path
 
 
