@@ -10,7 +10,7 @@ the tiny one), with no server listening, so what is timed is the learner's side 
 
 * ``push``: today's ``WeightSender`` (filesystem transport: its background delivery writes a snapshot),
   whose staging packs the whole update into bucket buffers;
-* ``store``: ``StoreSender``, whose staging casts the weights into the publication dtype (bfloat16 here,
+* ``store``: ``StorePublisher``, whose staging casts the weights into the publish dtype (bfloat16 here,
   as GPU fleets publish), then encodes a delta and writes it on its thread.
 
 Figures: ``stage_push_over_store`` (the step's own cost, push ÷ store; > 1: the store costs the step
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tether.config import TetherConfig
     from weight_sync.sender import WeightSender
-    from weight_sync.store_sender import StoreSender
+    from weight_sync.store_publisher import StorePublisher
 
     with tempfile.TemporaryDirectory(prefix="publish-wait-") as tmp:
         folder = Path(tmp)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
         senders = {
             "push": WeightSender(cfg({"type": "filesystem"}), model=model, servers=[]),
-            "store": StoreSender(cfg({"type": "store"}), model=model),
+            "store": StorePublisher(cfg({"type": "store"}), model=model),
         }
         stage: dict[str, list[float]] = {k: [] for k in senders}
         background: dict[str, list[float]] = {k: [] for k in senders}

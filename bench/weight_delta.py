@@ -185,7 +185,7 @@ def run_repeat(*, model_dir: str, lr: float, seed: int, steps: int, chunk_bytes:
     from learner.trainer import Trainer
     from tether.config import TetherConfig
     from weight_sync.delta import Codec
-    from weight_sync.store import Publisher, VersionStore
+    from weight_sync.store import VersionStore, VersionWriter
     from weight_sync.versions import decode_version, encode_version, flatten
 
     cfg = TetherConfig.model_validate({"model": {"path": model_dir}, "rollout": {"max_tokens": completion[1]},
@@ -197,7 +197,7 @@ def run_repeat(*, model_dir: str, lr: float, seed: int, steps: int, chunk_bytes:
 
     with tempfile.TemporaryDirectory() as tmp:
         store = VersionStore(tmp, fsync=False)
-        publisher = Publisher(store, dtype="bfloat16", base_every=base_every, chunk_bytes=chunk_bytes)
+        publisher = VersionWriter(store, dtype="bfloat16", base_every=base_every, chunk_bytes=chunk_bytes)
         named = _named_full(trainer.model)
         prev = flatten(named, version=0, dtype="bfloat16")
         prev32 = flatten(named, version=0, dtype="float32") if fp32_ref else None

@@ -6,10 +6,10 @@ publish time with 1–8 servers pulling, a server joining at version 100, and th
 
 Hosts are network namespaces on one bridge (:mod:`bench.netns_links`), every port limited to the link rate
 each way by tbf: ``redis`` (a redis-server), ``learner`` (this script's inner half: the models, AdamW, one
-:class:`~weight_sync.store_sender.StoreSender` per fleet wired to Redis as ``learner/publisher.py`` wires
+:class:`~weight_sync.store_publisher.StorePublisher` per fleet wired to Redis as ``learner/publisher.py`` wires
 it, the raw-broadcast root) and ``s0``..``s7`` (real ``python -m rollout_server`` processes: transformers
 engine, ``model.dtype: bfloat16``, ``weight_sync.transport.type: store``, fanout 2). An update is
-``StoreSender.publish(v)`` — synchronous: it returns once every live server has recorded v in Redis — of
+``StorePublisher.publish(v)`` — synchronous: it returns once every live server has recorded v in Redis — of
 the weights after one real learner step (AdamW on a batch of random tokens; float32 master weights,
 published as bfloat16 deltas). Every timing is taken on the learner.
 
@@ -170,7 +170,7 @@ def peer(init: str, rank: int, world: int, nbytes: int) -> int:
 
 class Fleet:
     """Rollout server processes under one run id, and the learner's sender to them: ``kind="store"``, a
-    :class:`StoreSender` with the learner's Redis callbacks; ``kind="push"``, a gloo ``WeightSender``."""
+    :class:`StorePublisher` with the learner's Redis callbacks; ``kind="push"``, a gloo ``WeightSender``."""
 
     def __init__(self, lab: Links, work: Path, name: str, *, model_dir: Path, learner: Learner, port: int,
                  server_port: int = SERVER_PORT, kind: str = "store", base_every: int = 10) -> None:  # fmt: skip
@@ -253,7 +253,7 @@ class Fleet:
             self.sender = WeightSender(cfg, model=self.learner.model, servers=list(self.addresses.values()))
             return
         from buffer.weights import announce_weights, held_versions
-        from weight_sync.store_sender import StoreSender
+        from weight_sync.store_publisher import StorePublisher
 
         def fleet() -> dict[str, int]:  # as learner/publisher.py: the live servers and what each holds
             live = [s.server_id for s in self.registry.live()]
@@ -262,7 +262,7 @@ class Fleet:
         def announce(info: dict) -> None:
             announce_weights(self.client, self.keys, info)
 
-        self.sender = StoreSender(cfg, model=self.learner.model, announce=announce, fleet=fleet)
+        self.sender = StorePublisher(cfg, model=self.learner.model, announce=announce, fleet=fleet)
 
     def publish(self, version: int, *, snapshot: bool = False) -> dict[str, float]:
         origin = getattr(self.sender, "origin", None)
@@ -553,7 +553,7 @@ def figures(results: dict, args: argparse.Namespace) -> list:
         rate, lr = key.split("/")
         add(f"update_vs_raw_{rate}_lr{lr}", [r["raw"] / r["weight_sync/seconds"] for r in rows],
             f"one raw gloo dist.broadcast of the full bf16 bytes (one flat buffer) to the server host over {rate} "
-            f"links, to a barrier; the update: StoreSender.publish after an AdamW step at lr {lr} until the rollout "
+            f"links, to a barrier; the update: StorePublisher.publish after an AdamW step at lr {lr} until the rollout "
             f"server holds it; {big}", 3.0 if rate == "1gbit" and float(lr) == 1e-6 else None)  # fmt: skip
     for lr in args.lrs:
         ratios = [r["weight_sync/delta_ratio"] for key, rows in results.get("ratio", {}).items()

@@ -37,10 +37,9 @@ from learner.trainer import Trainer
 from tether import spans
 from tether.config import TetherConfig
 from tether.logs import get_logger, setup_logging
-from tether.metrics import build_metrics
 from tether.plots import write_plot
 from tether.runs import RunPaths, give_up, run_paths
-from tether.trackers import TrackerUnavailable
+from tether.trackers import TrackerUnavailable, build_metrics
 
 log = get_logger(__name__)
 

@@ -23,8 +23,7 @@ from learner.rank_zero import RankZero
 from learner.telemetry import nvtx
 from tether.config import TetherConfig
 from tether.metrics import MetricsLogger
-from weight_sync.sender import WeightSender
-from weight_sync.store_sender import StoreSender
+from weight_sync.publishers import make_publisher
 
 
 class Publisher:
@@ -41,14 +40,10 @@ class Publisher:
         self.zero, self.metrics = zero, metrics
         registry = ServerRegistry(zero.client, zero.keys) if zero is not None else None
         params = adapter_params(model) if is_lora(model) else None  # LoRA: updates carry the adapters only
-        if cfg.weight_sync.transport.type == "store":  # published once, pulled by the fleet
-            self.sender: WeightSender | StoreSender = StoreSender(
-                cfg, model=model, params=params, rank=rank, world_size=world,
-                announce=self._announce if zero is not None else None,
-                fleet=self._fleet if zero is not None else None,
-            )  # fmt: skip
-        else:
-            self.sender = WeightSender(cfg, model=model, params=params, rank=rank, world_size=world, registry=registry)
+        self.sender = make_publisher(
+            cfg, model=model, params=params, rank=rank, world_size=world, registry=registry,
+            announce=self._announce if zero is not None else None, fleet=self._fleet if zero is not None else None,
+        )  # fmt: skip
         self.registry = registry
         self.background_ok = cfg.weight_sync.async_publish and cfg.algorithm.max_staleness >= 1
         """Whether a publication may be sent while the next step trains."""
@@ -58,9 +53,9 @@ class Publisher:
 
     def start(self, version: int, *, republish: bool) -> None:
         """Before any prompt is fed: with ``republish`` every server generates from the checkpoint's weights."""
-        if republish or isinstance(self.sender, StoreSender):
-            # The store transport always starts from a base of the starting weights: deltas need a version
-            # every server can hold (a fresh run's v0 included), and versions after it are a lost timeline.
+        if republish or self.sender.base_at_start:
+            # The store always starts from a base of the starting weights: deltas need a version every
+            # server can hold (a fresh run's v0 included), and versions after it are a lost timeline.
             self.sender.publish(version, snapshot=True)
         zero = self.zero
         if zero is not None and (republish or zero.published_version() < version):

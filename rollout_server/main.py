@@ -97,7 +97,7 @@ async def serve(
     state.metrics.watch_engine(engine.step_counts)
     state.sink = _connect_sink(cfg, server_id)
     control = ControlServicer(state)
-    pulling = cfg.weight_sync.transport.type == "store" and state.sink is not None
+    pulling = cfg.weight_sync.transport.pulled and state.sink is not None
     if not pulling:
         await _catch_up(control)
     episodes = EpisodeStore(state)
@@ -253,7 +253,7 @@ async def _heartbeat_forever(state, control, stop: asyncio.Event) -> None:  # ty
             # next update reaches it, producing groups the learner drops as stale; if the learner is
             # waiting for exactly those groups, that next update never comes. So whenever the published
             # version is ahead of ours, load the newest snapshot (catch_up is a no-op without one).
-            pulls = state.cfg.weight_sync.transport.type == "store"  # the puller catches up by itself
+            pulls = state.cfg.weight_sync.transport.pulled  # the puller catches up by itself
             if not pulls and await state.sink.published_version() > state.engine.policy_version:
                 await _catch_up(control)
             said_ended = await _check_run_end(state, stop, said_ended)

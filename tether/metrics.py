@@ -13,7 +13,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -77,35 +77,6 @@ class MultiMetrics(MetricsLogger):
         for sink in self.sinks:
             with contextlib.suppress(Exception):
                 sink.close()
-
-
-DEFAULT_LOGGERS = ("console", "tensorboard")
-
-
-def build_metrics(
-    run_root: str | Path,
-    *,
-    rank: int = 0,
-    loggers: Sequence[str] = DEFAULT_LOGGERS,
-    project: str = "tether",
-    run_name: str | None = None,
-    config: Mapping[str, Any] | None = None,
-) -> MetricsLogger:
-    """Rank 0: ``{run_root}/metrics.jsonl`` and each tracker of ``loggers`` (started with ``config``, the run's
-    resolved config as plain data, under ``project`` and ``run_name``, default the folder's name); a no-op on
-    other ranks. Every rank first checks the trackers' packages, so a missing one stops all ranks at once
-    with what to install (:class:`tether.trackers.TrackerUnavailable`). (The old ``run.tensorboard`` switch
-    is mapped onto ``run.loggers`` by the config.)"""
-    from tether.trackers import TrackerRun, check_installed, start_trackers  # they build on this module
-
-    names = list(loggers)
-    check_installed(names)
-    if rank != 0:
-        return MetricsLogger()
-    root = Path(run_root)
-    sinks: list[MetricsLogger] = [JsonlMetrics(root / "metrics.jsonl")]
-    sinks += start_trackers(names, TrackerRun(root, project=project, name=run_name or root.name, config=config or {}))
-    return MultiMetrics(sinks)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

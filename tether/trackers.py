@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from tether.logs import get_logger
-from tether.metrics import MetricsLogger, to_float
+from tether.metrics import JsonlMetrics, MetricsLogger, MultiMetrics, to_float
 from tether.verl_names import to_verl_names
 
 log = get_logger(__name__)
@@ -305,3 +305,30 @@ def mlflow_key(key: str) -> str:
     outside ``[/\\w.\\- :]`` → ``_`` (``val/pass@k`` → ``val/pass_at_k``)."""
     key = re.sub(r"/+", "/", key.replace("@", "_at_"))
     return re.sub(r"[^/\w.\- :]", "_", key)
+
+
+DEFAULT_LOGGERS = ("console", "tensorboard")
+
+
+def build_metrics(
+    run_root: str | Path,
+    *,
+    rank: int = 0,
+    loggers: Sequence[str] = DEFAULT_LOGGERS,
+    project: str = "tether",
+    run_name: str | None = None,
+    config: Mapping[str, Any] | None = None,
+) -> MetricsLogger:
+    """Rank 0: ``{run_root}/metrics.jsonl`` and each tracker of ``loggers`` (started with ``config``, the run's
+    resolved config as plain data, under ``project`` and ``run_name``, default the folder's name); a no-op on
+    other ranks. Every rank first checks the trackers' packages, so a missing one stops all ranks at once
+    with what to install (:class:`tether.trackers.TrackerUnavailable`). (The old ``run.tensorboard`` switch
+    is mapped onto ``run.loggers`` by the config.)"""
+    names = list(loggers)
+    check_installed(names)
+    if rank != 0:
+        return MetricsLogger()
+    root = Path(run_root)
+    sinks: list[MetricsLogger] = [JsonlMetrics(root / "metrics.jsonl")]
+    sinks += start_trackers(names, TrackerRun(root, project=project, name=run_name or root.name, config=config or {}))
+    return MultiMetrics(sinks)

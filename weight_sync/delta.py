@@ -1,6 +1,6 @@
 """One chunk of a weight version, encoded the smallest way: ``full``, ``xor_zstd`` or ``sparse``.
 
-A chunk is a run of elements of the version's flat buffer in the publication dtype, handled as raw bit
+A chunk is a run of elements of the version's flat buffer in the publish dtype, handled as raw bit
 patterns (``bfloat16``/``float16`` as ``uint16``, ``float32`` as ``uint32``): XOR on bit patterns is
 exact, so a delta round trip gives back the very bits the learner published, never a float that was
 added and subtracted.
@@ -62,7 +62,7 @@ def bits_dtype(dtype: str) -> np.dtype:
     try:
         return BITS[dtype][2]
     except KeyError:
-        raise ValueError(f"publication dtype {dtype!r} is not supported; use one of {sorted(BITS)}") from None
+        raise ValueError(f"publish dtype {dtype!r} is not supported; use one of {sorted(BITS)}") from None
 
 
 def torch_dtype(dtype: str) -> torch.dtype:

@@ -1,6 +1,6 @@
 """The manifest of one published weight version: what it holds and how to rebuild it, as JSON.
 
-A version is one flat buffer in the publication dtype (``bfloat16`` as GPU fleets run, ``float32`` on the
+A version is one flat buffer in the publish dtype (``bfloat16`` as GPU fleets run, ``float32`` on the
 CPU default): every tensor is a run of it (``offset`` elements in, ``shape``), in the order the learner
 gave them. The buffer is cut into chunks of a fixed size, regardless of tensor boundaries (so norms and
 biases share a chunk instead of each costing a file, and a bad chunk costs one refetch of at most
@@ -72,7 +72,7 @@ class ChunkEntry:
     hash: str
     """Hash of the stored bytes; also the chunk's file name."""
     raw_hash: str
-    """Hash of the decoded bit patterns (``count`` elements of the publication dtype)."""
+    """Hash of the decoded bit patterns (``count`` elements of the publish dtype)."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ def _parse(d: Any) -> Manifest:
         raise ValueError(f"hash is {d.get('hash')!r}; this reader knows {HASH!r}")
     dtype = _str(d, "dtype")
     if dtype not in BITS:
-        raise ValueError(f"dtype {dtype!r} is not a publication dtype ({sorted(BITS)})")
+        raise ValueError(f"dtype {dtype!r} is not a publish dtype ({sorted(BITS)})")
     base = d["base_version"]
     if base is not None and (not isinstance(base, int) or base < 0 or base >= d["version"]):
         raise ValueError(f"base_version must be null or an earlier version, not {base!r}")

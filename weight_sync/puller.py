@@ -39,7 +39,7 @@ from weight_sync.loading import Delivery, WeightLoader
 from weight_sync.manifest import Manifest
 from weight_sync.sources import DirSource, Fetcher, FetchStats, ProviderSource, Source
 from weight_sync.store import VersionMissing
-from weight_sync.store_sender import store_root
+from weight_sync.store_publisher import store_root
 from weight_sync.versions import Weights
 
 log = get_logger(__name__)
@@ -126,7 +126,7 @@ class Puller:
         self.loader, self.cfg, self.delivery, self.fleet = loader, cfg, delivery, fleet
         self.wcfg = cfg.weight_sync
         self.transport = cfg.weight_sync.transport
-        assert self.transport.type == "store", "the puller serves the store transport"
+        assert self.transport.pulled, "the puller serves a pulled transport (store)"
         self.server_id = server_id
         self.inflight = inflight or self.wcfg.inflight
         self.held: Weights | None = None

@@ -35,7 +35,7 @@ price is one model's worth of staged buckets on rank 0. One publication is in fl
 
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 import math
 import time
 import uuid
@@ -56,19 +56,21 @@ from weight_sync.buckets import (
     as_bytes,
     bucket_ready_order,
     checksum,
+    dtype_from_name,
     pack_into,
     plan_layout,
     plan_segments,
 )
 from weight_sync.handshake import ControlClients, abort_all
 from weight_sync.loading import inflight_message
+from weight_sync.publication import Delivery, WeightPublisher, params_device, publish_dtype
 from weight_sync.snapshot import SnapshotWriter, snapshot_root
 from weight_sync.transport import make_sender_transport
 
 log = get_logger(__name__)
 
 
-class WeightSender:
+class WeightSender(WeightPublisher):
     def __init__(
         self,
         cfg: TetherConfig,
@@ -84,23 +86,22 @@ class WeightSender:
         """``registry`` (a ``buffer.ServerRegistry``) or ``servers`` (addresses, or a callable returning them)
         names the receivers; ``process_group`` is the learner group the shards live on (default: torchrun's);
         ``params``: the named tensors an update sends (default: all of ``model``'s; LoRA: the adapters)."""
-        self.cfg = cfg
-        self.wcfg = cfg.weight_sync
-        self.rank, self.world_size = rank, world_size
+        super().__init__(cfg, model=model, params=params, rank=rank, world_size=world_size)
         self.registry, self.servers = registry, servers
         self.process_group = process_group
-        # named_parameters() lists a tied weight once (embeddings / lm_head): it travels once.
-        self._params = list(params) if params is not None else list(model.named_parameters())
-        self.wire_dtype = _wire_dtype(cfg)
+        # A collective push sends floating tensors in the publish dtype; None: as they are (a filesystem
+        # snapshot keeps the learner's exact weights).
+        self.publish_dtype = (
+            dtype_from_name(publish_dtype(cfg, params_device(self._params)))
+            if cfg.weight_sync.transport.type in ("nccl", "gloo")
+            else None
+        )
         metas = [(name, self._on_wire(p.dtype), tuple(p.shape)) for name, p in self._params]
         self.layout = plan_layout(metas, bucket_size_bytes=max(1, int(self.wcfg.bucket_size_mb * 2**20)))
         self._last_member = bucket_ready_order(self.layout)
-        self.last_dropped: dict[str, str] = {}
         self.last_checksums: dict[str, float] = {}
         self.on_bucket: Callable[[int, int], None] | None = None
         """Progress hook on rank 0: ``(bucket index, bucket count)`` after each bucket is handed off."""
-        self._background: tuple[int, concurrent.futures.Future] | None = None
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-publish")
         if rank == 0:
             # Where snapshots go; written on schedule (``snapshot_every``, the filesystem transport) or on
             # demand (``publish(..., snapshot=True)``: a resumed learner's first publication).
@@ -123,7 +124,7 @@ class WeightSender:
 
     def _on_wire(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a parameter of ``dtype`` travels in (floating ones: the publish dtype, when set)."""
-        return self.wire_dtype if self.wire_dtype is not None and dtype.is_floating_point else dtype
+        return self.publish_dtype if self.publish_dtype is not None and dtype.is_floating_point else dtype
 
     def _live_servers(self) -> list[str]:
         if self.registry is not None:
@@ -132,33 +133,15 @@ class WeightSender:
             return list(self.servers())
         return list(self.servers or [])
 
-    def publish(
-        self,
-        version: int,
-        *,
-        snapshot: bool = False,
-        background: bool = False,
-        on_done: Callable[[dict[str, float]], None] | None = None,
-    ) -> dict[str, float]:
-        """Push the model's current weights as ``version`` to every live server (call on every rank);
-        ``snapshot`` also writes them as that version's filesystem snapshot, whatever the schedule.
-
-        ``background``: gather and pack now (the only part that reads the model, so the caller may change
-        the weights as soon as this returns), then run the handshake, the transfer and the snapshot on a
-        thread of rank 0 and return ``{}`` at once; :meth:`wait` returns the metrics, and ``on_done(metrics)``
-        runs on that thread as soon as the commit is over (the learner admits prompts for the new version
-        then, not a step later). One publication at a time: call :meth:`wait` before the next one
-        (versions reach servers in order).
-        """
-        if self._background is not None:
-            raise RuntimeError(
-                f"weight_sync: publication of version {self._background[0]} is still in flight — wait() first"
-            )
-        start = time.perf_counter()
+    def _stage(self, version: int, *, snapshot: bool, background: bool, start: float) -> Delivery | None:
+        """Push the model's current weights as ``version`` to every live server; ``snapshot`` also writes
+        them as that version's filesystem snapshot, whatever the schedule. In the background every rank
+        gathers and rank 0 packs the whole update into staged buckets now; otherwise tensors are gathered
+        as the transfer sends them."""
         if self.rank != 0:
             if self._agree(False):
                 self._gather(None)
-            return {}
+            return None
         servers = self._live_servers()
         self.clients.forget(servers)
         snapshot_due = (
@@ -168,31 +151,14 @@ class WeightSender:
         )
         if snapshot_due and self.snapshot_root is None:
             raise ValueError("weight_sync: a snapshot is due but run.run_id is empty (no run folder to write it to)")
+        staged: list[torch.Tensor] | None = None
         if background:
-            staged: list[torch.Tensor] = []
+            staged = []
             if self._agree(bool(servers) or snapshot_due):
-                staged = self._stage()
+                staged = self._pack_all()
                 if self.transport.device.type == "cuda":  # packed on this thread's stream; sent from another
                     torch.cuda.current_stream().synchronize()
-            future = self._executor.submit(self._deliver, version, servers, snapshot_due, staged, start, on_done)
-            self._background = (version, future)
-            return {}
-        return self._deliver(version, servers, snapshot_due, None, start)
-
-    @property
-    def in_flight(self) -> int | None:
-        """The version a background publication is delivering (rank 0), None when none is."""
-        return self._background[0] if self._background is not None else None
-
-    def wait(self) -> dict[str, float]:
-        """Block until the background publication (if any) has finished; its metrics on rank 0, else ``{}``."""
-        if self._background is None:
-            return {}
-        _, future = self._background
-        try:
-            return future.result()
-        finally:
-            self._background = None
+        return functools.partial(self._deliver, version, servers, snapshot_due, staged, start)
 
     def _deliver(
         self,
@@ -350,7 +316,7 @@ class WeightSender:
             del full
         self.last_checksums = checksums
 
-    def _stage(self) -> list[torch.Tensor]:
+    def _pack_all(self) -> list[torch.Tensor]:
         """Gather and pack the whole update into pool slots (one per bucket, in bucket order)."""
         slots: dict[int, torch.Tensor] = {}
         staged: list[torch.Tensor] = []
@@ -451,31 +417,10 @@ class WeightSender:
             reached += 1
         return reached
 
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._executor.shutdown(wait=True)
-            self._close_rank0()
-
-    def _close_rank0(self) -> None:
+    def _close(self) -> None:
         if self.rank == 0:
             self.transport.close()
             self.clients.close()
-
-
-def _wire_dtype(cfg: TetherConfig) -> torch.dtype | None:
-    """What a collective transport sends floating tensors in: ``weight_sync.publish_dtype`` (``auto``: what the
-    engines serve), so a bf16 engine receives bf16 buckets, half a float32 learner's bytes, and loads them
-    without a cast. None: as the parameters are (the filesystem snapshot keeps the learner's exact weights)."""
-    transport = cfg.weight_sync.transport.type
-    if transport not in ("nccl", "gloo"):
-        return None
-    from weight_sync.buckets import dtype_from_name
-    from weight_sync.store_sender import publication_dtype
-
-    device = torch.device("cuda") if transport == "nccl" else torch.device("cpu")
-    return dtype_from_name(publication_dtype(cfg, device))
 
 
 def _sendable(tensor: torch.Tensor, device: torch.device) -> bool:

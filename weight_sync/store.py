@@ -6,7 +6,7 @@
       manifests/v00000020.delta.json   (the same version as a delta against v19, for readers at v19)
       manifests/v00000021.delta.json
 
-The learner publishes each version once (:class:`Publisher`): a base every ``base_every`` versions (and
+The learner publishes each version once (:class:`VersionWriter`): a base every ``base_every`` versions (and
 whenever it has no previous version to diff against), a delta against the previous version otherwise —
 and at a base version a delta as well, so a reader that keeps up never downloads a base. Every file is
 written under a temporary name and renamed into place, chunks first and the manifest last, so a reader
@@ -263,13 +263,13 @@ class VersionStore:
 
 @dataclass
 class Published:
-    """What one :meth:`Publisher.publish` did."""
+    """What one :meth:`VersionWriter.publish` did."""
 
     version: int
     kinds: tuple[str, ...]
     manifests: dict[str, Manifest]
     full_bytes: int
-    """The version's bytes in the publication dtype (what a full push sends)."""
+    """The version's bytes in the publish dtype (what a full push sends)."""
     encode_seconds: float
     write_seconds: float
     written_bytes: int
@@ -280,10 +280,10 @@ class Published:
         return None if m is None else m.stored_bytes
 
 
-class Publisher:
+class VersionWriter:
     """The learner side: each :meth:`publish` turns named full tensors into version ``v`` in the store.
 
-    Keeps the previous version's published bits (one model in the publication dtype) to diff against, and
+    Keeps the previous version's published bits (one model in the publish dtype) to diff against, and
     a spare buffer of the same size so that no publish allocates a model-sized buffer afresh."""
 
     def __init__(
@@ -305,7 +305,7 @@ class Publisher:
         self._spare: Weights | None = None
 
     def stage(self, version: int, named: Named) -> Weights:
-        """Cast ``named`` (full tensors, in a fixed order) into the publication dtype: the only step that
+        """Cast ``named`` (full tensors, in a fixed order) into the publish dtype: the only step that
         reads the model, so the caller may change the weights as soon as it returns (:meth:`commit` the
         result, possibly on another thread)."""
         spare, self._spare = self._spare, None

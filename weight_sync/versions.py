@@ -1,6 +1,6 @@
 """Weights as versions, in memory: flatten named tensors, encode a version, verify and decode one.
 
-:class:`Weights` is what a reader holds: one flat buffer of bit patterns in the publication dtype
+:class:`Weights` is what a reader holds: one flat buffer of bit patterns in the publish dtype
 (tensors are views into it, so an engine can adopt them without a copy) and the version it is.
 :func:`encode_version` turns weights (and the previous version's, for a delta) into a manifest plus its
 chunks' stored bytes; :func:`decode_version` is the reverse and the only way back, and it trusts
@@ -52,7 +52,7 @@ class NotHeld(WeightVersionError):
 
 @dataclass(eq=False)
 class Weights:
-    """One version's weights: ``bits`` (flat, the publication dtype's bit patterns) and where each tensor is."""
+    """One version's weights: ``bits`` (flat, the publish dtype's bit patterns) and where each tensor is."""
 
     version: int
     dtype: str

@@ -1,7 +1,7 @@
 """``tether relay`` as a real process (issue 33): it serves a fleet from memory, stops cleanly on SIGTERM, and
 a relay killed (SIGKILL) in the middle of a fetch costs the reader nothing but a fallback to the origin.
 
-The origin is the learner's chunk service over a store written by Publisher, in this process; the relay runs
+The origin is the learner's chunk service over a store written by VersionWriter, in this process; the relay runs
 ``python -m tether relay`` against it, both requiring the same bearer token.
 """
 

@@ -1,4 +1,4 @@
-"""Every tracker of ``run.loggers`` for real: a process logs learner rows through :func:`build_metrics`
+"""Every tracker of ``run.loggers`` for real: a process logs learner rows through :func:`tether.trackers.build_metrics`
 (as learner rank 0 does), a second one resumes the run, and the test reads the curves back through each
 library's own reader — ``wandb leet inspect --json`` for W&B's offline run files, ``MlflowClient`` for the
 ``mlruns`` file store, ``trackio get metric --json`` for trackio's database and TensorBoard's
@@ -28,7 +28,7 @@ ALL = ["console", "tensorboard", "wandb", "mlflow", "trackio"]
 WRITER = textwrap.dedent("""
     import json, sys
     from tether.config import load_config
-    from tether.metrics import build_metrics
+    from tether.trackers import build_metrics
 
     root, steps = sys.argv[1], json.loads(sys.argv[2])
     cfg = load_config(None, ["--run.run_id", "t1", "--run.project_name", "tether-test",

@@ -1,4 +1,4 @@
-"""The store transport end to end in one process: a learner's ``StoreSender`` (its origin chunk service on a
+"""The store transport end to end in one process: a learner's ``StorePublisher`` (its origin chunk service on a
 real port), servers' ``Puller``s (each with its own chunk service for peers) on a real Redis, loading into
 real transformers models — versions published once, pulled through the fan-out tree, verified, swapped."""
 
@@ -19,7 +19,7 @@ from tests.weight_receiver import ModelEngine
 from tether.config import TetherConfig
 from weight_sync.puller import Puller
 from weight_sync.store import VersionStore
-from weight_sync.store_sender import StoreSender
+from weight_sync.store_publisher import StorePublisher
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -57,7 +57,7 @@ class Server:
         self.sink.close()
 
 
-def _learner(model_dir: Path, cfg: TetherConfig, client: redis.Redis) -> tuple[torch.nn.Module, StoreSender]:
+def _learner(model_dir: Path, cfg: TetherConfig, client: redis.Redis) -> tuple[torch.nn.Module, StorePublisher]:
     keys = RedisKeys(cfg.run.run_id)
     registry = ServerRegistry(client, keys)
     model = ModelEngine.from_path(model_dir).model
@@ -66,7 +66,7 @@ def _learner(model_dir: Path, cfg: TetherConfig, client: redis.Redis) -> tuple[t
         live = [s.server_id for s in registry.live()]
         return {sid: h.version for sid, h in held_versions(client, keys, live).items()}
 
-    sender = StoreSender(cfg, model=model, announce=lambda info: announce_weights(client, keys, info), fleet=fleet)
+    sender = StorePublisher(cfg, model=model, announce=lambda info: announce_weights(client, keys, info), fleet=fleet)
     return model, sender
 
 
@@ -85,7 +85,7 @@ def _same(model: torch.nn.Module, served: torch.nn.Module) -> None:
         torch.testing.assert_close(theirs[name], p, rtol=0, atol=0, msg=name)
 
 
-async def _publish(sender: StoreSender, version: int) -> dict[str, float]:
+async def _publish(sender: StorePublisher, version: int) -> dict[str, float]:
     return await asyncio.to_thread(sender.publish, version)
 
 
@@ -218,9 +218,9 @@ async def test_a_peer_gone_mid_transfer_sends_its_child_to_the_origin(
 
 _DIES_MID_PUBLISH = """
 import os, sys, torch
-from weight_sync.store import Publisher, VersionStore
+from weight_sync.store import VersionWriter, VersionStore
 store = VersionStore(sys.argv[1])
-pub = Publisher(store, dtype="float32", base_every=10, chunk_bytes=1 << 16)
+pub = VersionWriter(store, dtype="float32", base_every=10, chunk_bytes=1 << 16)
 g = torch.Generator().manual_seed(0)
 named = {"w": torch.randn(64, 1024, generator=g), "b": torch.randn(1024, generator=g)}
 pub.publish(0, named)

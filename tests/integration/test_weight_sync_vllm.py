@@ -161,7 +161,7 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
     # workers through a shared-memory file; then one small step as a delta (v4). The fleet's two Redis
     # records are a dict here (the rollout server keeps them in Redis: tests/integration/test_weight_store.py).
     from weight_sync.puller import Member, Puller
-    from weight_sync.store_sender import StoreSender
+    from weight_sync.store_publisher import StorePublisher
 
     class Fleet:
         def __init__(self) -> None:
@@ -178,22 +178,22 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
 
     store_cfg = cfg({"type": "store", "fanout": 0}, model={"dtype": "float32"})
     fleet = Fleet()
-    store_sender = StoreSender(store_cfg, model=learner.model, announce=lambda info: setattr(fleet, "info", info))
+    store_publisher = StorePublisher(store_cfg, model=learner.model, announce=lambda info: setattr(fleet, "info", info))
     puller = Puller(engine, store_cfg, delivery=WorkerDelivery(llm, store_cfg), fleet=fleet, server_id="vllm")
-    await asyncio.to_thread(store_sender.publish, 3)
+    await asyncio.to_thread(store_publisher.publish, 3)
     await puller.pull(fleet.info)
     result["store_base"] = {"version": engine.policy_version, "chain": list(puller.last.chain)}
     result["after_store_base"] = await greedy("after-store-base")
     with torch.no_grad():
         learner.model.model.norm.weight.mul_(1.5)
-    await asyncio.to_thread(store_sender.publish, 4)
+    await asyncio.to_thread(store_publisher.publish, 4)
     await puller.pull(fleet.info)
     result["store_delta"] = {"version": engine.policy_version, "chain": list(puller.last.chain),
                              "bytes": puller.last.bytes, "full": learner.model.num_parameters() * 4}  # fmt: skip
     worker_sums = (await llm.collective_rpc("tether_checksums"))[0]
     result["store_norm"] = [worker_sums["model.norm.weight"], float(learner.model.model.norm.weight.double().sum())]
     puller.close()
-    store_sender.close()
+    store_publisher.close()
 
     # LoRA: only the adapters travel; the worker reloads model.path's weights with them merged.
     from learner.lora import adapter_params, apply_lora

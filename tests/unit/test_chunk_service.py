@@ -1,4 +1,4 @@
-"""The weight store over gRPC (issue 33): real servers on free loopback ports, real stores written by Publisher.
+"""The weight store over gRPC (issue 33): real servers on free loopback ports, real stores written by VersionWriter.
 
 Every fetch is compared bit for bit with :meth:`VersionStore.fetch` of the same store (integer bit patterns,
 so a NaN payload or a -0.0 that came back different fails). A corrupt byte is made in transit by a provider
@@ -22,7 +22,7 @@ from tether.redis_server import free_port
 from tether.v1 import weights_pb2
 from weight_sync.chunk_service import ChunkServer, RemoteSource, decode_piece, encode_piece, serve
 from weight_sync.sources import DirSource, Fetcher, ProviderSource, SourceUnavailable
-from weight_sync.store import Publisher, VersionMissing, VersionStore
+from weight_sync.store import VersionMissing, VersionStore, VersionWriter
 from weight_sync.versions import ChunkCorrupt, ChunkMissing, Weights
 
 CHUNK = 32 * 1024  # the model below spans ~13 chunks per version
@@ -51,7 +51,7 @@ def publish(
     """v1 base, v2–v3 deltas, v4 base and delta, v5–v6 deltas (with the defaults); ``rows``: the model's size
     (2 · rows · 256 elements and a few)."""
     store = VersionStore(root, fsync=False)
-    publisher = Publisher(store, dtype="bfloat16", base_every=base_every, chunk_bytes=chunk_bytes)
+    publisher = VersionWriter(store, dtype="bfloat16", base_every=base_every, chunk_bytes=chunk_bytes)
     w = _model(0, rows)
     for v in range(1, versions + 1):
         publisher.publish(v, w)

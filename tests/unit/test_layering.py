@@ -214,3 +214,104 @@ def test_no_private_name_crosses_a_module():
 def test_the_private_rule_can_fail(module, source, private):
     """The check flags a single-underscore name taken from another first-party module, nothing else."""
     assert bool(private_imports(module, source)) is private
+
+
+def _module_edges(source: str, known: set[str]) -> set[str]:
+    """The first-party modules ``source`` imports (module level and inside functions; not under ``if
+    TYPE_CHECKING:``, which never runs). ``from pkg import sub`` is an edge to ``pkg.sub`` when that is a module,
+    else to ``pkg``; a package is its ``__init__``."""
+    tree = ast.parse(source)
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body
+        for n in ast.walk(stmt)
+    }
+
+    def resolve(name: str) -> str | None:
+        while name:
+            if name in known:
+                return name
+            if f"{name}.__init__" in known:
+                return f"{name}.__init__"
+            name = name.rpartition(".")[0]
+        return None
+
+    edges = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [resolve(a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            targets = [resolve(f"{node.module}.{a.name}") for a in node.names]
+        else:
+            continue
+        edges.update(t for t in targets if t)
+    return edges
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    cycles.append(sorted(group))
+    return cycles
+
+
+def test_no_two_files_import_each_other():
+    """No import cycle between files, however long or lazy (a function-level import hides one, it does not
+    remove it): two modules that need each other are one module, or share a third."""
+    modules = dict(_modules())
+    known = set(modules)
+    graph = {m: _module_edges(p.read_text(encoding="utf-8"), known) - {m} for m, p in modules.items()}
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles:\n  " + "\n  ".join(" ↔ ".join(c) for c in cycles)
+
+
+def test_the_cycle_rule_can_fail():
+    known = {"a", "b", "c", "pkg.__init__", "pkg.sub"}
+    graph = {
+        "a": _module_edges("import b", known),
+        "b": _module_edges("def f():\n    from c import x", known),
+        "c": _module_edges("from a import y", known),
+        "pkg.__init__": _module_edges("def f():\n    from pkg.sub import z", known),
+        "pkg.sub": _module_edges("from pkg import sub\nif TYPE_CHECKING:\n    import a", known),
+    }
+    assert graph["pkg.sub"] == {"pkg.sub"}  # the submodule itself, not its package; the type-only import skipped
+    assert import_cycles(graph) == [["a", "b", "c"]]

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tether.metrics import JsonlMetrics, MetricsLogger, MultiMetrics, build_metrics, read_metrics
+from tether.metrics import JsonlMetrics, MetricsLogger, MultiMetrics, read_metrics
 from tether.plots import plot_metrics
+from tether.trackers import build_metrics
 
 
 def test_jsonl_rows_and_non_finite(tmp_path: Path) -> None:

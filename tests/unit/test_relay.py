@@ -1,7 +1,7 @@
 """The relay (issue 33): chunks kept in memory, fetched upstream once, never served when they fail their hash.
 
 The relay runs as it does in ``tether relay``: ``serve(CachingProvider([RemoteSource(origin)]))`` on a free
-loopback port, in front of an origin serving a store written by Publisher; readers fetch through it with
+loopback port, in front of an origin serving a store written by VersionWriter; readers fetch through it with
 the Fetcher. The subprocess version (killed mid-fetch) is tests/integration/test_relay_process.py.
 """
 

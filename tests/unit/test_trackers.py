@@ -15,8 +15,8 @@ import pytest
 
 from tether.config import ConfigError, load_config
 from tether.config.run import LoggerName
-from tether.metrics import build_metrics, read_metrics
-from tether.trackers import TRACKERS, TrackerUnavailable, mlflow_key, mlflow_params, shareable
+from tether.metrics import read_metrics
+from tether.trackers import TRACKERS, TrackerUnavailable, build_metrics, mlflow_key, mlflow_params, shareable
 from tether.verl_names import VERL_NAMES, to_verl_names
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
 """The store transport's pieces that need no model: the fan-out tree, the source order, the Redis records,
-the config and the publication dtype."""
+the config and the publish dtype."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from buffer import RedisKeys
 from buffer.weights import Held, announce_weights, held_versions, read_announcement, record_held
 from tether.config import TetherConfig
+from weight_sync.publication import publish_dtype
 from weight_sync.puller import Member, Puller, tree_parent
-from weight_sync.store_sender import publication_dtype
 
 
 def test_the_tree_has_fanout_roots_and_each_node_at_most_fanout_children() -> None:
@@ -75,17 +75,17 @@ def test_the_redis_records_round_trip_and_bad_ones_read_as_absent(redis_client: 
     }  # fmt: skip
 
 
-def test_the_store_transport_config_and_the_publication_dtype() -> None:
+def test_the_store_transport_config_and_the_publish_dtype() -> None:
     cfg = _cfg(port=7100, fanout=3, relays=["r:1"])
     t = cfg.weight_sync.transport
     assert (t.type, t.port, t.fanout, t.relays, cfg.weight_sync.base_every) == ("store", 7100, 3, ["r:1"], 10)
     with pytest.raises(ValueError, match="fanout"):
         _cfg(fanout=-1)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert publication_dtype(cfg, cpu) == "float32" and publication_dtype(cfg, cuda) == "bfloat16"
+    assert publish_dtype(cfg, cpu) == "float32" and publish_dtype(cfg, cuda) == "bfloat16"
     served = TetherConfig.model_validate(
         {"model": {"dtype": "bfloat16"}, "weight_sync": {"transport": {"type": "store"}}}
     )
-    assert publication_dtype(served, cpu) == "bfloat16"  # what the engines serve
+    assert publish_dtype(served, cpu) == "bfloat16"  # what the engines serve
     forced = TetherConfig.model_validate({"weight_sync": {"publish_dtype": "float16", "transport": {"type": "store"}}})
-    assert publication_dtype(forced, cuda) == "float16"
+    assert publish_dtype(forced, cuda) == "float16"

@@ -3,7 +3,7 @@
 Every round trip is checked on raw bit patterns (``torch.equal`` on an integer view), so a float that
 comes back merely close, a NaN with another payload or a -0.0 turned into 0.0 fails. The weights change
 the way a learner step changes them: a share of elements moved by a small relative step (enough to
-flip their bits in the publication dtype), the rest bit-identical.
+flip their bits in the publish dtype), the rest bit-identical.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from weight_sync.delta import ENCODINGS, Codec, as_bits, decode_chunk, encode_chunk, torch_dtype
 from weight_sync.manifest import Manifest, ManifestError
-from weight_sync.store import Publisher, VersionMissing, VersionStore
+from weight_sync.store import VersionMissing, VersionStore, VersionWriter
 from weight_sync.versions import ChunkCorrupt, NotHeld, decode_version, encode_version, flatten
 
 CHUNK = 8 * 1024  # bytes: the model below spans many chunks, and chunks span tensor boundaries
@@ -111,7 +111,7 @@ def test_picker_takes_sparse_for_few_changes_xor_for_many_full_for_noise() -> No
 
 def _publish(root: Path, versions: int, *, base_every: int = 10, share: float = 0.03, dtype: str = "bfloat16"):
     store = VersionStore(root, fsync=False)
-    pub = Publisher(store, dtype=dtype, base_every=base_every, chunk_bytes=CHUNK)
+    pub = VersionWriter(store, dtype=dtype, base_every=base_every, chunk_bytes=CHUNK)
     w, history = _model(), []
     for v in range(versions):
         if v:
@@ -209,7 +209,7 @@ def test_delta_against_weights_the_reader_does_not_hold_is_refused(tmp_path: Pat
 
 def test_manifest_is_written_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = VersionStore(tmp_path, fsync=False)
-    pub = Publisher(store, chunk_bytes=CHUNK)
+    pub = VersionWriter(store, chunk_bytes=CHUNK)
 
     def crash(*_a, **_k):
         raise OSError("disk full")
@@ -234,7 +234,7 @@ def test_manifest_is_written_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     real = VersionStore._write_chunk
     monkeypatch.setattr(VersionStore, "_write_chunk", chunk_then_crash)
     with pytest.raises(OSError):
-        Publisher(store, chunk_bytes=CHUNK).publish(0, _model(1))
+        VersionWriter(store, chunk_bytes=CHUNK).publish(0, _model(1))
     assert store.versions() == []
     store.manifests_dir.mkdir(parents=True, exist_ok=True)
     (store.manifests_dir / ".tmp-v00000000.base.json-1234").write_text("{}")  # a crashed rename
@@ -266,7 +266,7 @@ def test_publish_once_and_manifest_errors(tmp_path: Path) -> None:
     assert Manifest.from_json(json.dumps(good)) == manifest
     for change, msg in (
         ({"format": "tether-weights/0"}, "format"),
-        ({"dtype": "int8"}, "publication dtype"),
+        ({"dtype": "int8"}, "publish dtype"),
         ({"chunks": good["chunks"][:-1]}, "chunks cover"),
         ({"base_version": None}, "in a base version"),
         ({"version": -1}, "base_version"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
@@ -13,6 +13,7 @@ class NcclTransport(Section):
     """GPU to GPU broadcast over NCCL."""
 
     type: Literal["nccl"] = "nccl"
+    pulled: ClassVar[bool] = False
     master_addr: str = "127.0.0.1"
     """Address of learner rank 0 that receivers connect to for the weight-sync group."""
     master_port: int = Field(default=29600, ge=0, le=65535)
@@ -23,6 +24,7 @@ class GlooTransport(Section):
     """CPU broadcast over gloo: the CPU path and the one tests use."""
 
     type: Literal["gloo"] = "gloo"
+    pulled: ClassVar[bool] = False
     master_addr: str = "127.0.0.1"
     """Address of learner rank 0 that receivers connect to for the weight-sync group."""
     master_port: int = Field(default=29600, ge=0, le=65535)
@@ -33,6 +35,7 @@ class FilesystemTransport(Section):
     """Safetensors snapshot plus a version marker on a shared filesystem."""
 
     type: Literal["filesystem"] = "filesystem"
+    pulled: ClassVar[bool] = False
     path: str = ""
     """Snapshot folder; empty: ``{run}/snapshots``."""
 
@@ -43,6 +46,8 @@ class StoreTransport(Section):
     fan-out ``fanout``), from ``relays``, or from the learner's own chunk service (the origin)."""
 
     type: Literal["store"] = "store"
+    pulled: ClassVar[bool] = True
+    """The fleet fetches each version itself (the learner waits for it to be held); a push otherwise."""
     path: str = ""
     """The store directory the learner writes; empty: ``{run}/weights``."""
     host: str = "127.0.0.1"

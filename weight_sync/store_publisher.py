@@ -1,7 +1,7 @@
 """The learner's side of the ``store`` transport: each version published once; the fleet pulls it.
 
     publish(v) on every rank:  gather full tensors (a collective when sharded) ─► rank 0 casts them into
-    the publication dtype (``Publisher.stage``: the only part that reads the model)
+    the publish dtype (``VersionWriter.stage``: the only part that reads the model)
     then, on a thread of rank 0 when in the background:
       encode (a delta against v−1; a base every ``base_every``) ─► write chunks, then the manifest
       ─► announce v (Redis: version + the origin's address) ─► wait until every live server holds v
@@ -12,15 +12,13 @@ servers on other nodes fetch from — at most ``fanout`` of them; the others fet
 report the version they hold, which is all the learner waits on (at most ``transfer_timeout_s +
 commit_timeout_s``; a server that is late is reported dropped, as in a push, and keeps pulling).
 
-The interface is :class:`weight_sync.sender.WeightSender`'s (``publish`` / ``wait`` / ``close`` /
-``in_flight`` / ``last_dropped``), so the learner drives either the same way. Redis is the learner's: it
-passes ``announce(info)`` and ``fleet() -> {server: version held}`` in (weight sync never imports the
-buffer).
+A :class:`weight_sync.publication.WeightPublisher`, so the learner drives it as it drives a push. Redis is
+the learner's: it passes ``announce(info)`` and ``fleet() -> {server: version held}`` in (weight sync never
+imports the buffer).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,9 +28,10 @@ import torch
 from tether import spans
 from tether.config import TetherConfig
 from tether.logs import get_logger
+from weight_sync.publication import Delivery, WeightPublisher, params_device, publish_dtype
 from weight_sync.sender import full_tensor
 from weight_sync.sources import DirSource
-from weight_sync.store import Publisher, VersionStore
+from weight_sync.store import VersionStore, VersionWriter
 from weight_sync.versions import Weights
 
 log = get_logger(__name__)
@@ -51,18 +50,9 @@ def store_root(cfg: TetherConfig) -> Path:
     return run_paths(cfg).root / "weights"
 
 
-def publication_dtype(cfg: TetherConfig, device: torch.device) -> str:
-    """``weight_sync.publish_dtype``; ``auto``: what the engines serve (``model.dtype``, whose ``auto`` is
-    bfloat16 on CUDA and float32 elsewhere — the learner's device stands for the fleet's)."""
-    name = cfg.weight_sync.publish_dtype
-    if name == "auto":
-        name = cfg.model.dtype
-    if name == "auto":
-        name = "bfloat16" if device.type == "cuda" else "float32"
-    return name
+class StorePublisher(WeightPublisher):
+    base_at_start = True
 
-
-class StoreSender:
     def __init__(
         self,
         cfg: TetherConfig,
@@ -74,24 +64,18 @@ class StoreSender:
         announce: Announce | None = None,
         fleet: Fleet | None = None,
     ) -> None:
-        self.cfg, self.wcfg = cfg, cfg.weight_sync
-        self.rank, self.world_size = rank, world_size
-        self._params = list(params) if params is not None else list(model.named_parameters())
+        super().__init__(cfg, model=model, params=params, rank=rank, world_size=world_size)
         self.announce, self.fleet = announce, fleet
-        self.last_dropped: dict[str, str] = {}
-        self._background: tuple[int, concurrent.futures.Future] | None = None
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-publish")
         self.origin = None
         if rank == 0:
-            device = self._params[0][1].device if self._params else torch.device("cpu")
             self.root = store_root(cfg)
             # No fsync: every chunk is named by its hash and checked by every reader, a manifest is renamed into
             # place whole, and a learner that restarts republishes its version as a base — fsync made the write
             # the noisiest stage of an update (0.04–1.08 s for 3 MB, bench/weight_service.py).
             self.store = VersionStore(self.root, fsync=False)
-            self.publisher = Publisher(
+            self.writer = VersionWriter(
                 self.store,
-                dtype=publication_dtype(cfg, device),
+                dtype=publish_dtype(cfg, params_device(self._params)),
                 base_every=self.wcfg.base_every,
                 chunk_bytes=max(1, int(self.wcfg.chunk_mb * 2**20)),
                 keep=self.wcfg.keep_versions,
@@ -104,49 +88,20 @@ class StoreSender:
             self.origin = serve(DirSource(self.root), host=transport.host, port=transport.port, token=token)
             log.info("weight_origin_serving", address=self.origin.address, store=str(self.root))
 
-    @property
-    def in_flight(self) -> int | None:
-        return self._background[0] if self._background is not None else None
-
-    def publish(
-        self,
-        version: int,
-        *,
-        snapshot: bool = False,
-        background: bool = False,
-        on_done: Callable[[dict[str, float]], None] | None = None,
-    ) -> dict[str, float]:
-        """Publish the model's weights as ``version`` (call on every rank); see the module docstring.
-
-        ``snapshot`` (a resumed learner's first publication): versions after ``version`` are removed from
-        the store (their timeline is gone) and ``version`` is written as a base."""
-        if self._background is not None:
-            raise RuntimeError(f"weight_sync: publication of version {self._background[0]} is still in flight")
-        start = time.perf_counter()
+    def _stage(self, version: int, *, snapshot: bool, background: bool, start: float) -> Delivery | None:
+        """Every rank gathers parameter by parameter; rank 0 casts each into the version's buffer. With
+        ``snapshot`` (a resumed learner's first publication) versions after ``version`` leave the store (their
+        timeline is gone) and ``version`` is written as a base."""
         with spans.span("weight_stage", version=version):
-            staged = self._stage(version)
-        if self.rank != 0:
-            return {}
-        assert staged is not None
+            staged = self._gather_cast(version)
+        if staged is None:
+            return None
         if snapshot:
             self.store.truncate(after=version - 1)
-        if background:
-            future = self._executor.submit(self._deliver, staged, start, on_done, base=snapshot)
-            self._background = (version, future)
-            return {}
-        return self._deliver(staged, start, None, base=snapshot)
-
-    def wait(self) -> dict[str, float]:
-        if self._background is None:
-            return {}
-        _, future = self._background
-        try:
-            return future.result()
-        finally:
-            self._background = None
+        return lambda on_done: self._deliver(staged, start, on_done, base=snapshot, background=background)
 
     @torch.no_grad()
-    def _stage(self, version: int) -> Weights | None:
+    def _gather_cast(self, version: int) -> Weights | None:
         """Every rank gathers parameter by parameter; rank 0 casts each into the publication buffer."""
 
         def gathered():
@@ -158,18 +113,24 @@ class StoreSender:
             for _ in gathered():
                 pass
             return None
-        weights = self.publisher.stage(version, gathered())
+        weights = self.writer.stage(version, gathered())
         if any(p.device.type == "cuda" for _, p in self._params[:1]):
             torch.cuda.current_stream().synchronize()
         return weights
 
     def _deliver(
-        self, weights: Weights, start: float, on_done: Callable[[dict[str, float]], None] | None, *, base: bool
+        self,
+        weights: Weights,
+        start: float,
+        on_done: Callable[[dict[str, float]], None] | None,
+        *,
+        base: bool,
+        background: bool,
     ) -> dict[str, float]:
         version = weights.version
         stage_s = time.perf_counter() - start
         with spans.span("weight_write", version=version):  # encode (delta, dtype) and write to the store
-            published = self.publisher.commit(weights, base=base)
+            published = self.writer.commit(weights, base=base)
         if self.announce is not None:
             self.announce({"version": version, "origin": self.origin.address if self.origin else "",
                            "dtype": weights.dtype, "time": time.time()})  # fmt: skip
@@ -193,7 +154,7 @@ class StoreSender:
             "weight_sync/reached": float(reached),
             "weight_sync/dropped": float(len(dropped)),
             "weight_sync/base": float("base" in published.kinds),
-            "weight_sync/background": float(self._background is not None),
+            "weight_sync/background": float(background),
         }
         if self.origin is not None:
             metrics["weight_sync/origin_bytes_out"] = float(self.origin.bytes_out())
@@ -215,10 +176,6 @@ class StoreSender:
         dropped = {s: f"holds v{v} at the deadline" for s, v in held.items() if v < version}
         return len(held) - len(dropped), dropped, len(held)
 
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._executor.shutdown(wait=True)
-            if self.origin is not None:
-                self.origin.stop(0)
+    def _close(self) -> None:
+        if self.origin is not None:
+            self.origin.stop(0)
