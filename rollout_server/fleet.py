@@ -54,10 +54,6 @@ JOIN_POLL_S = 2.0
 STATE_KEYS = ("share", "tokens", "groups", "waiting", "inflight")
 """The gate's figures of each run a fleet publishes (``buffer.fleets``)."""
 
-SHARED_BASE_ENGINES = ("transformers", "vllm")
-"""Engines that apply each row's own adapter in one batch: LoRA runs of one base share such an engine
-(vLLM: up to ``rollout.engine.max_lora_rank``)."""
-
 DEFAULT_CAPACITY = 4
 """Generations at once across the fleet's runs when the fleet config leaves ``rollout.prompt_workers`` empty."""
 
@@ -181,9 +177,10 @@ class Fleet:
         loads it once; each run's rows carry its own adapter); None: the slot loads an engine of its own
         (full fine-tuning, ``modules_to_save``, or an engine without per-row adapters)."""
         lora, engine = cfg.model.lora, cfg.rollout.engine
-        if lora is None or lora.modules_to_save or engine.type not in SHARED_BASE_ENGINES:
+        if lora is None or lora.modules_to_save or not engine.shares_base:
             return None
-        if engine.type == "vllm" and lora.rank > engine.max_lora_rank:  # vLLM sizes its LoRA buffers at start
+        limit = getattr(engine, "max_lora_rank", None)  # vLLM sizes its LoRA buffers at start
+        if limit is not None and lora.rank > limit:
             return None
         model = cfg.model.model_dump(mode="json", exclude={"lora"})
         key = json.dumps([model, cfg.rollout.engine.model_dump(mode="json")], sort_keys=True)

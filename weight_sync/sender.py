@@ -93,7 +93,7 @@ class WeightSender(WeightPublisher):
         # snapshot keeps the learner's exact weights).
         self.publish_dtype = (
             dtype_from_name(publish_dtype(cfg, params_device(self._params)))
-            if cfg.weight_sync.transport.type in ("nccl", "gloo")
+            if cfg.weight_sync.transport.collective
             else None
         )
         metas = [(name, self._on_wire(p.dtype), tuple(p.shape)) for name, p in self._params]

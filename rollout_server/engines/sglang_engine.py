@@ -73,7 +73,9 @@ class SglangEngine(ResumeEvent, Engine):
     def logprob_source(self) -> Literal["raw", "processed"]:  # type: ignore[override]
         return sglang_logprob_source()
 
-    def __init__(self, cfg: TetherConfig) -> None:
+    def __init__(self, cfg: TetherConfig, *, named_adapters: bool = False) -> None:
+        if named_adapters:
+            raise EngineError("the SGLang engine cannot serve several runs' adapters on one base (shares_base)")
         try:
             import sglang  # noqa: F401
         except ImportError as e:

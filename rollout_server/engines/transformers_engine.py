@@ -118,7 +118,8 @@ class TransformersEngine(Engine):
     name = "transformers"
     logprob_source = "processed"
 
-    def __init__(self, cfg: TetherConfig) -> None:
+    def __init__(self, cfg: TetherConfig, *, named_adapters: bool = False) -> None:
+        """``named_adapters`` changes nothing here: every batch row may carry its own adapter."""
         self.cfg = cfg
         self.ecfg = cfg.rollout.engine
         self.model: Any = None

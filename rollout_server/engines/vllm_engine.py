@@ -303,8 +303,9 @@ def check_weight_transport(cfg: TetherConfig) -> None:
     from rollout_server.engines.vllm_worker import check_weight_group
 
     try:
+        transport = cfg.weight_sync.transport
         check_weight_group(
-            cfg.weight_sync.transport.type,
+            transport.type if transport.collective else None,
             tensor_parallel_size=cfg.rollout.engine.tensor_parallel_size,  # type: ignore[union-attr]
         )
     except ValueError as e:

@@ -60,16 +60,15 @@ from weight_sync.inbox import Inbox, Incoming, Timeouts, snapshot
 from weight_sync.loading import Tally
 from weight_sync.lora import merged_checkpoint
 
-COLLECTIVE_TRANSPORTS = ("nccl", "gloo")
 
-
-def check_weight_group(transport: str, *, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> None:
-    """Refuse a collective weight transport on an engine of more than one worker (ValueError, saying what to
-    use): its workers would all join the weight-sync group under the server's one rank."""
+def check_weight_group(backend: str | None, *, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> None:
+    """Refuse a collective weight transport (``backend``: its name; None for one each worker reads alone) on an
+    engine of more than one worker (ValueError, saying what to use): its workers would all join the
+    weight-sync group under the server's one rank."""
     workers = int(tensor_parallel_size) * int(pipeline_parallel_size)
-    if transport in COLLECTIVE_TRANSPORTS and workers > 1:
+    if backend is not None and workers > 1:
         raise ValueError(
-            f"weight_sync.transport.type {transport} cannot feed a vLLM engine of {workers} workers "
+            f"weight_sync.transport.type {backend} cannot feed a vLLM engine of {workers} workers "
             f"(tensor_parallel_size {tensor_parallel_size}, pipeline_parallel_size {pipeline_parallel_size}): "
             "a weight update plan gives each server one rank in the group, and every worker would join under "
             "it. Use weight_sync.transport.type: filesystem or store, or tensor_parallel_size: 1"

@@ -19,7 +19,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import pytest
 import redis
@@ -32,9 +32,21 @@ from torch.testing import assert_close
 from buffer import PromptQueue, TrajectoryReader
 from rollout_server.engines import Chunk, Engine, SamplingSpec
 from tether.config import ConfigError, load_config, save_resolved
+from tether.config.rollout import EngineSection
 from tether.redis_server import free_port
 from tether.v1 import trajectory_pb2
 from weight_sync.loading import LoadResult
+
+
+class CountingEngineConfig(EngineSection):
+    """The toy's config class (in the engine union of ``tether/config/rollout.py`` for a real engine): its
+    type, and what it can do."""
+
+    type: Literal["counting"] = "counting"
+    shares_base: ClassVar[bool] = False
+
+    def uses_gpu(self, gpus: int) -> bool:
+        return False
 
 
 class CountingEngine(Engine):
@@ -44,8 +56,10 @@ class CountingEngine(Engine):
     name = "counting"
     max_model_len = 4096
 
-    def __init__(self, tokenizer) -> None:  # type: ignore[no-untyped-def]
-        self.tokenizer = tokenizer
+    def __init__(self, cfg, *, named_adapters: bool = False) -> None:  # type: ignore[no-untyped-def]
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self._paused = False
         self.weights: dict[str, torch.Tensor] = {}
         self.loads: list[dict] = []
@@ -81,9 +95,10 @@ class CountingEngine(Engine):
         return self._paused
 
 
-async def test_a_new_engine_is_one_class(tiny_model_dir: Path, redis_url: str, redis_client: redis.Redis) -> None:
-    from transformers import AutoTokenizer
-
+async def test_a_new_engine_is_one_class(
+    tiny_model_dir: Path, redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rollout_server.engines import ENGINES, build_engine
     from rollout_server.metrics import ServerMetrics
     from rollout_server.sink import BufferSink
     from rollout_server.state import ServerState
@@ -95,7 +110,11 @@ async def test_a_new_engine_is_one_class(tiny_model_dir: Path, redis_url: str, r
          "--buffer.redis_url", redis_url, "--rollout.n", "3", "--rollout.max_tokens", "5",
          "--rollout.reward", "{type: exact_match}"],
     )  # fmt: skip
-    engine = CountingEngine(AutoTokenizer.from_pretrained(tiny_model_dir))
+    # --- the recipe's one registration: build_engine then finds it by its config's type.
+    monkeypatch.setitem(ENGINES, "counting", f"{__name__}:CountingEngine")
+    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": CountingEngineConfig()})})
+    engine = build_engine(cfg)
+    assert isinstance(engine, CountingEngine)
     engine.policy_version = 7
     state = ServerState(cfg, engine, "rollout-toy", ServerMetrics("rollout-toy"), sink=BufferSink(cfg, "toy"))
     keys = state.sink.keys
@@ -170,10 +189,10 @@ async def _publish_to(engine: Engine, cfg, learner: torch.nn.Module, version: in
 async def test_a_new_engine_loads_weight_updates_with_one_method(
     tmp_path: Path, tiny_model_dir: Path, transport: dict
 ) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     cfg = _weights_cfg(tmp_path, tiny_model_dir, transport)
-    engine = CountingEngine(AutoTokenizer.from_pretrained(tiny_model_dir))
+    engine = CountingEngine(cfg)
     learner = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():
         for p in learner.parameters():
@@ -198,7 +217,7 @@ async def test_a_new_transport_is_a_sender_and_a_receiver(
     A test cannot add a field to the plan's ``source`` oneof (control.proto), so the toy addresses its
     folder with the filesystem source's message and takes that entry's place for the test.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from tether.v1 import control_pb2
     from weight_sync import inbox, sender
@@ -240,7 +259,7 @@ async def test_a_new_transport_is_a_sender_and_a_receiver(
     cfg = _weights_cfg(
         tmp_path, tiny_model_dir, {"type": "filesystem"}, snapshot_every=0
     )  # no snapshot to fall back on
-    engine = CountingEngine(AutoTokenizer.from_pretrained(tiny_model_dir))
+    engine = CountingEngine(cfg)
     learner = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():
         for p in learner.parameters():

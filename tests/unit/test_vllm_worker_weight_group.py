@@ -14,6 +14,7 @@ import torch
 
 from rollout_server.engines import vllm_worker
 from rollout_server.engines.vllm_worker import WeightSyncWorker
+from tether.config import TetherConfig
 from tether.v1 import control_pb2
 from weight_sync.buckets import plan_layout
 
@@ -27,9 +28,16 @@ def test_a_collective_transport_is_refused_for_an_engine_of_several_workers(tran
     vllm_worker.check_weight_group(transport, tensor_parallel_size=1)
 
 
-@pytest.mark.parametrize("transport", ["filesystem", "store"])
+@pytest.mark.parametrize("transport", ["filesystem", "store", "nccl"])
 def test_transports_each_worker_reads_alone_serve_any_parallelism(transport: str) -> None:
-    vllm_worker.check_weight_group(transport, tensor_parallel_size=4, pipeline_parallel_size=2)
+    """What the engine checks at startup, from the transport's declared ``collective``."""
+    cfg = TetherConfig.model_validate({"model": {"path": "m"}, "weight_sync": {"transport": {"type": transport}}})
+    backend = cfg.weight_sync.transport.type if cfg.weight_sync.transport.collective else None
+    if transport == "nccl":
+        with pytest.raises(ValueError, match="tensor_parallel_size 4"):
+            vllm_worker.check_weight_group(backend, tensor_parallel_size=4, pipeline_parallel_size=2)
+    else:
+        vllm_worker.check_weight_group(backend, tensor_parallel_size=4, pipeline_parallel_size=2)
 
 
 class _Worker(WeightSyncWorker):

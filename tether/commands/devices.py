@@ -50,10 +50,7 @@ def _uses_gpu(cfg: TetherConfig, gpus: int) -> tuple[bool, bool]:
     """Whether the learner and the engines will open a GPU. ``auto`` does wherever one is visible (the learner
     and the transformers engine resolve it so themselves): left out of the plan, an ``auto`` engine would
     see every GPU and open ``cuda:0``, the learner's."""
-    engine = cfg.rollout.engine
-    device = getattr(engine, "device", "auto")
-    engine_gpu = engine.type in ("vllm", "sglang") or device == "cuda" or (device == "auto" and gpus > 0)
-    return cfg.learner.device != "cpu", engine_gpu
+    return cfg.learner.device != "cpu", cfg.rollout.engine.uses_gpu(gpus)
 
 
 def plan_devices(cfg: TetherConfig, gpus: int) -> DevicePlan:
@@ -83,7 +80,7 @@ def plan_devices(cfg: TetherConfig, gpus: int) -> DevicePlan:
         return _shared_plan(cfg, servers)
     cpu_engine = (
         " or keep the engines off the GPUs with rollout.engine.device: cpu,"
-        if engine_gpu and cfg.rollout.engine.type == "transformers"
+        if engine_gpu and "device" in type(cfg.rollout.engine).model_fields
         else ""
     )
     raise ConfigError(
@@ -95,7 +92,7 @@ def plan_devices(cfg: TetherConfig, gpus: int) -> DevicePlan:
 def _shared_plan(cfg: TetherConfig, servers: int) -> DevicePlan:
     engine = cfg.rollout.engine
     share = getattr(engine, "gpu_memory_utilization", 0.0) * servers
-    if engine.type in ("vllm", "sglang") and share > SHARED_ENGINE_SHARE:
+    if share > SHARED_ENGINE_SHARE:
         raise ConfigError(
             f"rollout.engine.gpu_memory_utilization: {engine.gpu_memory_utilization} × {servers} server(s) of one "
             f"shared GPU leaves the learner too little; set it to at most {SHARED_ENGINE_SHARE / servers:.2f} "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -12,22 +12,45 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM accepts (its ``MaxLoRARanks``, 0.32); any other fails the engine's start."""
 
 
-class TransformersEngineConfig(Section):
+class EngineSection(Section):
+    """The base of every engine's config: its ``type`` (the tag in :data:`EngineConfig`), the batch it runs,
+    and what the engine can do — declared here, where the engine is registered, and read by ``tether up``
+    and the fleet instead of comparing engine names."""
+
+    type: str
+    shares_base: ClassVar[bool] = False
+    """LoRA runs of one base can share one engine, each row generating with its own adapter (an engine with a
+    ``max_lora_rank`` takes adapters up to it)."""
+    max_num_seqs: int = Field(default=64, gt=0)
+    """Most sequences generated together (verl/vLLM name); a server's prompt workers are capped by it."""
+
+    def uses_gpu(self, gpus: int) -> bool:
+        """Whether a server of this engine opens a GPU on a box with ``gpus`` of them (``tether up`` places it)."""
+        return True
+
+
+class TransformersEngineConfig(EngineSection):
     """Batched generation with Hugging Face transformers and a KV cache; runs anywhere."""
 
     type: Literal["transformers"] = "transformers"
+    shares_base: ClassVar[bool] = True
     device: str = "auto"
     """``auto`` (cuda when available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``."""
+
+    def uses_gpu(self, gpus: int) -> bool:
+        return self.device.startswith("cuda") or (self.device == "auto" and gpus > 0)
+
     max_num_seqs: int = Field(default=64, gt=0)
     """Most sequences generated together in one batch (verl/vLLM name)."""
     batch_wait_ms: float = Field(default=5.0, ge=0)
     """How long a new request waits for others to share its batch."""
 
 
-class VllmEngineConfig(Section):
+class VllmEngineConfig(EngineSection):
     """vLLM's AsyncLLM with continuous batching; weights are loaded in place on update."""
 
     type: Literal["vllm"] = "vllm"
+    shares_base: ClassVar[bool] = True
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     """Fraction of GPU memory vLLM may take for weights and KV cache."""
     max_num_seqs: int = Field(default=256, gt=0)
@@ -36,6 +59,7 @@ class VllmEngineConfig(Section):
     """Token budget of one engine step (chunked prefill); empty: vLLM's default."""
     tensor_parallel_size: int = Field(default=1, gt=0)
     """GPUs one engine spans with tensor parallelism."""
+
     enforce_eager: bool = False
     """Disable CUDA graphs (faster start, slower decode)."""
     enable_prefix_caching: bool = True
@@ -61,7 +85,7 @@ class VllmEngineConfig(Section):
         return rank
 
 
-class SglangEngineConfig(Section):
+class SglangEngineConfig(EngineSection):
     """SGLang's engine; GPU only."""
 
     type: Literal["sglang"] = "sglang"

@@ -13,6 +13,8 @@ class NcclTransport(Section):
     """GPU to GPU broadcast over NCCL."""
 
     type: Literal["nccl"] = "nccl"
+    collective: ClassVar[bool] = True
+    """Receivers join one process group with the learner (a server is one rank in it); else each reads alone."""
     pulled: ClassVar[bool] = False
     master_addr: str = "127.0.0.1"
     """Address of learner rank 0 that receivers connect to for the weight-sync group."""
@@ -24,6 +26,7 @@ class GlooTransport(Section):
     """CPU broadcast over gloo: the CPU path and the one tests use."""
 
     type: Literal["gloo"] = "gloo"
+    collective: ClassVar[bool] = True
     pulled: ClassVar[bool] = False
     master_addr: str = "127.0.0.1"
     """Address of learner rank 0 that receivers connect to for the weight-sync group."""
@@ -35,6 +38,7 @@ class FilesystemTransport(Section):
     """Safetensors snapshot plus a version marker on a shared filesystem."""
 
     type: Literal["filesystem"] = "filesystem"
+    collective: ClassVar[bool] = False
     pulled: ClassVar[bool] = False
     path: str = ""
     """Snapshot folder; empty: ``{run}/snapshots``."""
@@ -46,6 +50,7 @@ class StoreTransport(Section):
     fan-out ``fanout``), from ``relays``, or from the learner's own chunk service (the origin)."""
 
     type: Literal["store"] = "store"
+    collective: ClassVar[bool] = False
     pulled: ClassVar[bool] = True
     """The fleet fetches each version itself (the learner waits for it to be held); a push otherwise."""
     path: str = ""
