@@ -29,8 +29,14 @@ def setup_logging(
     level: str = "info",
     console_format: str = "console",
     log_file: str | Path | None = None,
+    console_lines: bool = False,
 ) -> None:
-    """Route structlog and stdlib logging to stderr (console or JSON) and to a JSON-lines file."""
+    """Route structlog and stdlib logging to stderr (console or JSON) and to a JSON-lines file.
+
+    ``console_lines`` (``tether up``, whose console is its progress lines and summary): with the ``console``
+    format, stderr gets warnings and errors only, each one ``tether: <level>: <event> key=value ...`` line;
+    everything is in the log file. Events the console already printed in its own words
+    (:data:`SHOWN_ON_CONSOLE`) are not repeated."""
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(process=process)
     console_renderer: Any = (
@@ -42,6 +48,10 @@ def setup_logging(
     for handler in list(root.handlers):
         root.removeHandler(handler)
     console = logging.StreamHandler(sys.stderr)
+    if console_lines and console_format != "json":
+        console.setLevel(logging.WARNING)
+        console.addFilter(lambda record: _event(record) not in SHOWN_ON_CONSOLE)
+        console_renderer = _tether_line
     console.setFormatter(_formatter(console_renderer))
     root.addHandler(console)
     if log_file is not None:
@@ -52,6 +62,25 @@ def setup_logging(
     root.setLevel(level.upper())
     for noisy in ("urllib3", "filelock", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+SHOWN_ON_CONSOLE = frozenset({"run_warning"})
+"""Events ``tether up``'s console prints in its own words (``tether: warning: ...``), kept out of its log lines."""
+
+
+def _event(record: logging.LogRecord) -> str | None:
+    return record.msg.get("event") if isinstance(record.msg, dict) else None
+
+
+def _tether_line(_logger: Any, _name: str, event_dict: dict[str, Any]) -> str:
+    """``tether: warning: child_died_restarting child=learner code=1 in_s=2``: one line, no timestamp."""
+    level = event_dict.pop("level", "warning")
+    event = event_dict.pop("event", "")
+    for key in ("timestamp", "logger", "process"):
+        event_dict.pop(key, None)
+    fields = " ".join(f"{k}={v}" for k, v in event_dict.items() if k != "exception")
+    line = f"tether: {level}: {event}" + (f" {fields}" if fields else "")
+    return line + (f"\n{event_dict['exception']}" if "exception" in event_dict else "")
 
 
 def _route_structlog_through_stdlib() -> None:

@@ -251,9 +251,8 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
         refuse_existing_run(run_paths(cfg), cfg.run.run_id)
     paths: RunPaths = run_paths(cfg).make()
     paths.gave_up.unlink(missing_ok=True)  # a resumed run's earlier ending is not this lifetime's
-    setup_logging(
-        process="up", level=cfg.run.log_level, console_format=cfg.run.log_format, log_file=paths.log_file("up")
-    )
+    setup_logging(process="up", level=cfg.run.log_level, console_format=cfg.run.log_format,
+                  log_file=paths.log_file("up"), console_lines=True)  # fmt: skip
     from tether.redis_server import EmbeddedRedis
 
     started, outcome, error = time.time(), "failed", None
