@@ -89,9 +89,9 @@ def build_samples(
     """Samples (one per usable trajectory, fully masked ones included; no advantages yet) and counts of
     what was skipped and why (plus ``fully_masked``, ``single_sample_groups`` and ``zero_std_groups``)."""
     skipped: Counter[str] = Counter()
-    kept: list[tuple[int, object, float]] = []
+    kept: list[tuple[int, int, object, float]] = []
     for gi, g in enumerate(groups):
-        for t in g.trajectories:
+        for ti, t in enumerate(g.trajectories):
             reason = None
             temperature = sample_temperature(t, default_temperature)
             if t.finish_reason == FINISH_REASON_ABORTED:
@@ -111,19 +111,19 @@ def build_samples(
             if reason:
                 skipped[reason] += 1
                 continue
-            kept.append((gi, t, temperature))
+            kept.append((gi, ti, t, temperature))
     if not kept:
         _warn(skipped)
         return [], skipped
-    rewards = torch.tensor([t.reward for _, t, _ in kept], dtype=torch.float64)
-    gids = torch.tensor([gi for gi, _, _ in kept])
+    rewards = torch.tensor([t.reward for _, _, t, _ in kept], dtype=torch.float64)
+    gids = torch.tensor([gi for gi, _, _, _ in kept])
     _, dense, sizes = torch.unique(gids, return_inverse=True, return_counts=True)
     if n_single := int((sizes == 1).sum()):
         skipped["single_sample_groups"] = n_single
     if n_flat := zero_std_groups(rewards, dense):
         skipped["zero_std_groups"] = n_flat
     samples = []
-    for gi, t, temperature in kept:
+    for gi, ti, t, temperature in kept:
         if not t.loss_mask.any():
             skipped["fully_masked"] += 1
         samples.append(
@@ -134,6 +134,7 @@ def build_samples(
                 loss_mask=np.asarray(t.loss_mask, dtype=np.float32),
                 reward=float(t.reward),
                 group=gi,
+                trajectory=ti,
                 staleness=staleness_of(t.oldest_version, current_version),
                 temperature=temperature,
             )

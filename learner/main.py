@@ -155,7 +155,8 @@ class Learner:
             with self.profiler(state.step + 1), nvtx("train_step", step=state.step + 1):
                 out = self.trainer.train_step(groups, version=state.version, step=state.step)
             if zero is not None:  # after the optimizer step that used them
-                out.update(zero.trained(batch, step=state.step + 1, version=state.version))
+                trained = self.trainer.trained_samples
+                out.update(zero.trained(batch, trained, step=state.step + 1, version=state.version))
                 state.data_position = zero.feed.position
             state.step += 1
             t_sync = time.perf_counter()

@@ -42,6 +42,7 @@ class Sample:
     advantage: float | np.ndarray = 0.0  # one per sample, or one per completion token
     reward: float = 0.0
     group: int = 0
+    trajectory: int = 0  # its index among its group's trajectories (the viewer's record matches on it)
     staleness: int = 0
     temperature: float = 1.0  # logits are divided by it before log-softmax (the sampler's distribution)
     proximal_logprobs: np.ndarray | None = None

@@ -23,9 +23,9 @@ from buffer.ledger import LedgerSnapshot, take_snapshot, write_books
 from buffer.run_config import publish_run_config
 from learner.checkpoint import TrainState, checkpoint_step, latest_checkpoint
 from learner.feed import CannotTrain, DataTimeout, Feed
+from learner.generation_log import GenerationLog
 from learner.group_trace import GroupTrace
 from learner.lifecycle import StopSignal, plan_resume_version, refuse_fresh_start
-from learner.samples import GenerationLog
 from learner.telemetry import LiveStatus
 from tether.config import TetherConfig
 from tether.logs import get_logger
@@ -120,12 +120,13 @@ class RankZero:
             stop = STOP_ASKED
         return batch, stop
 
-    def trained(self, batch: list, *, step: int, version: int) -> dict[str, float]:
-        """After the optimizer step that used ``batch`` (step ``step``, at learner version ``version``):
-        acknowledge and trace it, and keep the viewer's sample of it; the admission metrics."""
+    def trained(self, batch: list, samples: list, *, step: int, version: int) -> dict[str, float]:
+        """After the optimizer step that used ``batch`` (step ``step``, at learner version ``version``; its
+        ``samples`` as the trainer trained them): acknowledge and trace it, and keep the viewer's record of it;
+        the admission metrics."""
         self.feed.ack(batch)
         self.trace.write(batch, step=step)
-        self.generations.trained(batch, step=step, version=version)
+        self.generations.trained(batch, samples, step=step, version=version)
         return self.feed.admission_metrics()
 
     def after_step(self, step: int, version: int, row: dict[str, float], *, servers_version: int) -> None:

@@ -157,6 +157,9 @@ class Trainer:
         lc = cfg.learner
         self.cfg, self.model, self.ref_model, self.critic, self.device = cfg, model, ref_model, critic, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.trained_samples: list[Sample] = []
+        """The last step's samples as trained: advantages (and the critic's values) filled in, each knowing its
+        group and trajectory (the viewer's record reads them)."""
         self.policy_loss = get_policy_loss(cfg.algorithm.policy_loss.loss_mode)
         self.estimator = get_estimator(cfg.algorithm.adv_estimator)
         # The config refused a run without what its estimator needs; a caller building the trainer by hand
@@ -414,6 +417,7 @@ class Trainer:
             default_temperature=self.cfg.rollout.temperature,
         )
         out = {f"learner/{k}" if k in NOT_SKIPPED else f"learner/skipped_{k}": float(v) for k, v in skipped.items()}
+        self.trained_samples = samples
         if not any(s.num_trained for s in samples):
             log.warning("empty_batch_skipped", groups=len(groups))
             out["learner/empty_batches"] = 1.0

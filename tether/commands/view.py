@@ -5,7 +5,7 @@
     tether view runs/<id> --out page.html      write the page as one self-contained file instead
 
 The page shows what the learner keeps of the run (``learner.log_train_generations`` groups of each logged
-step, and the newest dead letters: :mod:`learner.samples`): each prompt and completion with its tokens
+step, and the newest dead letters: :mod:`learner.generation_log`): each prompt and completion with its tokens
 coloured by policy version or log-prob, reward, advantage, staleness, server, and the dead-lettered groups
 with their reason; filters by step, reward and data source (:mod:`tether.commands.viewer.page`). Token ids are
 decoded with the run's tokenizer (``model.path`` of its ``config.yaml``; ``--tokenizer DIR`` otherwise). The

@@ -1,6 +1,7 @@
-"""The learner's side of the viewer (:mod:`learner.samples`): which groups of a step it keeps and what it keeps
-of them (the advantage each completion trained with, as GRPO's closed form gives it; nothing for a trajectory
-the step skipped), and the dead letters it copies from a real Redis — each once, across a restart too."""
+"""The learner's side of the viewer (:mod:`learner.generation_log`): which groups of a step it keeps and what it
+keeps of them (the advantage each completion trained with — from the samples the trainer trained, as GRPO's
+closed form gives it, a critic's per-token GAE as its mean; nothing for a trajectory the step skipped), and
+the dead letters it copies from a real Redis — each once, across a restart too."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import redis
 from buffer import BufferedGroup, dead_letter
 from buffer.codec import encode_payload
 from buffer.keys import RedisKeys
+from learner.advantages import assign_advantages
+from learner.batch import build_samples
 from learner.data import PromptSource
-from learner.samples import DEAD_TOKENS, GenerationLog, spread
+from learner.generation_log import DEAD_TOKENS, GenerationLog, spread, trained_advantages
 from learner.synthetic import make_groups
 from tether.config import load_config
 from tether.records import DEAD_LETTERS, GENERATIONS, read_records
@@ -41,6 +44,14 @@ def _batch(version: int = 2) -> list[BufferedGroup]:
     return [BufferedGroup(entry_id=f"{i}-0", group=g, staleness=1) for i, g in enumerate(groups)]
 
 
+def _with_samples(batch: list[BufferedGroup], *overrides: str) -> tuple[list[BufferedGroup], list]:
+    """The batch and its samples as the trainer trains them (what ``Trainer.train_step`` runs before the loss)."""
+    cfg = _cfg(*overrides)
+    samples, _ = build_samples([b.group for b in batch], current_version=3, max_len=cfg.model.max_model_len)
+    assign_advantages(samples, cfg.algorithm)
+    return batch, samples
+
+
 def test_spread_takes_evenly_from_the_batch() -> None:
     assert spread(5, 2) == [0, 2] and spread(8, 4) == [0, 2, 4, 6] and spread(3, 5) == [0, 1, 2]
 
@@ -48,7 +59,7 @@ def test_spread_takes_evenly_from_the_batch() -> None:
 def test_a_logged_step_keeps_its_groups_with_their_advantages(tmp_path: Path, redis_client: redis.Redis) -> None:
     log = _log(tmp_path, redis_client)
     batch = _batch()
-    log.trained(batch, step=1, version=3)
+    log.trained(*_with_samples(batch), step=1, version=3)
     log.close()  # written on a thread of its own
     records, bad = read_records(tmp_path / GENERATIONS)
     assert bad == 0 and [r["group_id"] for r in records] == [batch[0].group.group_id, batch[2].group.group_id]
@@ -74,12 +85,12 @@ def test_only_due_steps_are_logged_and_zero_logs_nothing(tmp_path: Path, redis_c
     (tmp_path / "a").mkdir()
     log = _log(tmp_path / "a", redis_client, "--learner.log_generations_every", "2")
     for step in (1, 2, 3, 4):
-        log.trained(_batch(), step=step, version=3)
+        log.trained(*_with_samples(_batch()), step=step, version=3)
         log.flush()
     assert sorted({r["step"] for r in read_records(tmp_path / "a" / GENERATIONS)[0]}) == [2, 4]
     (tmp_path / "b").mkdir()
     off = _log(tmp_path / "b", redis_client, "--learner.log_train_generations", "0")
-    off.trained(_batch(), step=1, version=3)
+    off.trained(*_with_samples(_batch()), step=1, version=3)
     dead_letter(redis_client, RedisKeys("view"), source="rollout-0", reason="x", data=b"")
     off.close()
     assert not list((tmp_path / "b").iterdir())
@@ -100,7 +111,7 @@ def test_dead_letters_are_copied_once_with_their_reason_and_payload(tmp_path: Pa
         redis_client, keys, source="rollout-1", reason="p9: bad prompt: 99 tokens", data=prompt.SerializeToString()
     )
     log = _log(tmp_path, redis_client)
-    log.trained(_batch(), step=4, version=3)
+    log.trained(*_with_samples(_batch()), step=4, version=3)
     records, _ = read_records(tmp_path / DEAD_LETTERS)
     assert [r["reason"] for r in records] == [f"{group.group_id}: reward failed: boom", "p9: bad prompt: 99 tokens"]
     first, second = records
@@ -123,10 +134,10 @@ def test_a_step_due_while_the_last_is_being_written_is_not_logged(tmp_path: Path
 
     log = _log(tmp_path, redis_client)
     log._job = Future()  # the previous step, still being written: the next is skipped, never queued
-    log.trained(_batch(), step=1, version=3)
+    log.trained(*_with_samples(_batch()), step=1, version=3)
     assert log.busy_skips == 1 and log._job is not None and not log._job.done()
     log._job.set_result(None)
-    log.trained(_batch(), step=2, version=3)
+    log.trained(*_with_samples(_batch()), step=2, version=3)
     log.close()
     assert sorted({r["step"] for r in read_records(tmp_path / GENERATIONS)[0]}) == [2]
 
@@ -142,9 +153,23 @@ def test_a_dead_letter_written_before_the_columnar_codec_still_reads(tmp_path: P
                 data=encode_group(group))  # fmt: skip
     cfg = _cfg()
     log = GenerationLog(cfg, tmp_path, client=redis_client, keys=keys, source=PromptSource(cfg))
-    log.trained(_batch(), step=1, version=3)
+    log.trained(*_with_samples(_batch()), step=1, version=3)
     log.close()
     (record,), _ = read_records(tmp_path / DEAD_LETTERS)
     assert record["group_id"] == group.group_id
     assert record["prompt"] == group.trajectories[0].prompt_token_ids.tolist()
     assert record["samples"][1]["ids"] == group.trajectories[1].completion_token_ids[:DEAD_TOKENS].tolist()
+
+
+def test_a_per_token_advantage_is_recorded_as_its_mean_over_trained_tokens() -> None:
+    """A critic's GAE gives one advantage per completion token; the record keeps their mean over the tokens the
+    loss used (a masked token's advantage is not in it)."""
+    batch, samples = _with_samples(_batch())
+    s = samples[0]
+    per_token = np.arange(s.num_completion, dtype=np.float64)
+    s.advantage, s.loss_mask = per_token, np.ones(s.num_completion, dtype=np.float32)
+    s.loss_mask[0] = 0
+    got = trained_advantages(samples)
+    assert got[s.group, s.trajectory] == pytest.approx(per_token[1:].mean())
+    assert (2, 1) not in got  # the aborted trajectory: never trained
+    assert len(got) == len(samples) == sum(len(b.group.trajectories) for b in batch) - 1

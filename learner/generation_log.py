@@ -10,16 +10,13 @@ log-prob, the loss mask where it is not all ones, reward and components, finish 
 completion trained with, the group's staleness, server and learner version, and its data source and
 reward context (the dataset row's, looked up by the group's dataset index; a demo task's name).
 
-The advantages are :func:`learner.advantages.assign_advantages` over the step's whole batch, as the
-trainer ran it, so a whitening estimator's numbers are the ones the loss used. The trainer keeps its
-samples to itself, so on a logged step the estimator runs a second time, with the trajectory checks of
-:func:`learner.batch.build_samples` (and their warning, when a trajectory is skipped). That is most of the
-record's cost — the whole record took ~4 ms for the demo's 64 trajectories and ~70 ms for 1,024 of up to
-512 tokens on a busy 2-core machine, against ~0.1 s for a demo step — so it is made on a thread of its own,
-one step at a time: a step that comes while the last one is still being written is not logged (the
-training thread spends ~0.1 ms on a logged step). Only the dataset-row
-lookup runs on the training thread, where the prompt feed reads the same dataset. With a critic
-(``gae``) the advantages need the critic's values, which stay in the trainer: not recorded.
+The advantages are the ones the loss used: the trainer hands over the step's samples
+(:attr:`learner.trainer.Trainer.trained_samples`, each knowing its group and trajectory), whatever the
+estimator — a whitening one, or a critic's GAE (per token: the record keeps their mean over the trained
+tokens). A trajectory the step skipped (aborted, too long, ...) has none. The record is made on a thread of
+its own, one step at a time: a step that comes while the last one is still being written is not logged
+(the training thread spends ~0.1 ms on a logged step). Only the dataset-row lookup runs on the training
+thread, where the prompt feed reads the same dataset.
 
 Dead letters: at most every :data:`DEAD_LOOK_EVERY_S` seconds (on a logged step) and at the end, the
 entries the run's dead-letter stream received since the last look, the newest :data:`DEAD_PER_LOOK` of
@@ -46,8 +43,7 @@ from buffer.codec import CODEC_COLUMNAR, CODEC_PROTOBUF, decode_group_payload
 from buffer.columnar import MAGIC
 from buffer.keys import RedisKeys
 from buffer.replies import text
-from learner.advantages import assign_advantages, get_estimator
-from learner.batch import build_samples
+from learner.packing import Sample
 from tether.config import TetherConfig
 from tether.logs import get_logger
 from tether.records import (
@@ -85,27 +81,13 @@ def finish_name(code: int) -> str:
         return str(code)
 
 
-def advantages_of(
-    groups: list[GroupData], cfg: TetherConfig, *, version: int, wanted: list[int]
-) -> dict[tuple[int, int], float]:
-    """``(group index, trajectory index) -> advantage`` (the mean over the completion's trained tokens) for
-    the trajectories of the ``wanted`` groups the trainer trained on; empty when the estimator needs a
-    critic."""
-    if get_estimator(cfg.algorithm.adv_estimator).needs_critic:
-        return {}
-    samples, _ = build_samples(groups, current_version=version, max_len=cfg.model.max_model_len,
-                               default_temperature=cfg.rollout.temperature)  # fmt: skip
-    assign_advantages(samples, cfg.algorithm)
+def trained_advantages(samples: list[Sample]) -> dict[tuple[int, int], float]:
+    """``(group index, trajectory index) -> advantage`` of each sample the step trained on: the mean over its
+    trained tokens (one per-token advantage each with a critic's GAE; the sample's one value otherwise)."""
     out: dict[tuple[int, int], float] = {}
-    for gi in wanted:
-        # build_samples keeps each group's usable trajectories in order: match them up in that order.
-        it = iter(enumerate(groups[gi].trajectories))
-        for s in (s for s in samples if s.group == gi):
-            for ti, t in it:
-                if s.reward == float(t.reward) and np.array_equal(s.input_ids[s.prompt_len :], t.completion_token_ids):
-                    adv, mask = np.asarray(s.advantage, dtype=np.float64), s.loss_mask > 0
-                    out[gi, ti] = float(adv[mask].mean()) if adv.ndim and mask.any() else float(np.mean(adv))
-                    break
+    for s in samples:
+        adv, mask = np.asarray(s.advantage, dtype=np.float64), s.loss_mask > 0
+        out[s.group, s.trajectory] = float(adv[mask].mean()) if adv.ndim and mask.any() else float(np.mean(adv))
     return out
 
 
@@ -149,8 +131,9 @@ class GenerationLog:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation-log") if self.on else None
         self._job: Future | None = None
 
-    def trained(self, batch: list[BufferedGroup], *, step: int, version: int) -> None:
-        """After step ``step`` (trained at learner version ``version``) on ``batch``: its sample, if due."""
+    def trained(self, batch: list[BufferedGroup], samples: list[Sample], *, step: int, version: int) -> None:
+        """After step ``step`` (trained at learner version ``version``) on ``batch``, whose trained ``samples``
+        carry the advantages the loss used: its record, if due."""
         self.step = step
         if not self.on or not batch or not self.groups.due(step):
             return
@@ -167,7 +150,7 @@ class GenerationLog:
             self._off(e)
             return
         assert self._pool is not None
-        self._job = self._pool.submit(self._write, batch, picked, contexts, step=step, version=version)
+        self._job = self._pool.submit(self._write, batch, samples, picked, contexts, step=step, version=version)
 
     def flush(self) -> None:
         """Wait until the step being written is in the file."""
@@ -202,10 +185,11 @@ class GenerationLog:
         self.on = False
 
     def _write(
-        self, batch: list[BufferedGroup], picked: list[int], contexts: dict[int, dict], *, step: int, version: int
-    ) -> None:
+        self, batch: list[BufferedGroup], samples: list[Sample], picked: list[int], contexts: dict[int, dict], *,
+        step: int, version: int,
+    ) -> None:  # fmt: skip
         """On the writer's thread: the records of the ``picked`` groups of step ``step``."""
-        advantages = advantages_of([b.group for b in batch], self.cfg, version=version, wanted=picked)
+        advantages = trained_advantages(samples)
         records = []
         for gi in picked:
             b, context = batch[gi], dict(contexts[gi])
