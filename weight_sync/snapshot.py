@@ -119,7 +119,3 @@ def read_snapshot(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         shards = sorted(p.name for p in path.glob("*.safetensors"))
     for shard in shards:
         yield from load_file(str(path / shard)).items()
-
-
-def snapshot_version(path: Path) -> int:
-    return int((Path(path) / VERSION_FILE).read_text().strip())

@@ -1,8 +1,8 @@
-"""``algorithm.policy_loss``: the loss's tagged config, its old key, and the registries' agreement.
+"""``algorithm.policy_loss``: the loss's tagged config and the registries' agreement.
 
 The toy loss defined the way docs/EXTENDING.md says is in ``tests/integration/test_extending.py``; here the
-config side alone: which class a ``loss_mode`` selects, the errors a user sees, and the deprecated
-``algorithm.loss_mode`` still read.
+config side alone: which class a ``loss_mode`` selects, and the errors a user sees (the pre-0.1 key
+``algorithm.loss_mode`` among them: an unknown key).
 """
 
 from __future__ import annotations
@@ -23,19 +23,6 @@ def test_default_and_explicit_loss_is_vanilla() -> None:
             assert load_config(None, overrides).algorithm.policy_loss == VanillaLoss()
 
 
-def test_old_key_still_reads_with_a_deprecation_line() -> None:
-    deprecated = r"algorithm\.loss_mode is deprecated: write algorithm\.policy_loss\.loss_mode: vanilla"
-    with pytest.warns(FutureWarning, match=deprecated):
-        cfg = load_config(None, ["--algorithm.loss_mode", "vanilla"])
-    assert cfg.algorithm.policy_loss == VanillaLoss()
-    assert "loss_mode" not in cfg.algorithm.model_dump()  # the resolved config is written the new way
-
-
-def test_old_and_new_key_disagreeing_is_an_error() -> None:
-    with pytest.raises(ConfigError, match=r"loss_mode 'vanilla' and policy_loss\.loss_mode 'other' disagree"):
-        load_config(None, ["--algorithm.loss_mode", "vanilla", "--algorithm.policy_loss.loss_mode", "other"])
-
-
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
@@ -43,7 +30,7 @@ def test_old_and_new_key_disagreeing_is_an_error() -> None:
             ["--algorithm.policy_loss.loss_mode", "vanila"],
             "algorithm.policy_loss: unknown loss_mode 'vanila'; known: vanilla",
         ),
-        (["--algorithm.loss_mode", "vanila"], "algorithm.policy_loss: unknown loss_mode 'vanila'"),
+        (["--algorithm.loss_mode", "vanilla"], "algorithm.loss_mode: unknown key"),
         (["--algorithm.policy_loss.clip", "1"], "algorithm.policy_loss.clip: unknown key"),
     ],
 )

@@ -1,4 +1,4 @@
-"""Trackers, the parts that need no tracker library: ``run.loggers`` and its deprecated ``run.tensorboard``,
+"""Trackers, the parts that need no tracker library: ``run.loggers``,
 the error a missing extra gives, verl's names and their table in docs/TRACKERS.md, and the config flattened
 for MLflow as verl's own code flattens it. The libraries themselves: tests/integration/test_trackers.py."""
 
@@ -35,16 +35,9 @@ def test_loggers_as_verl_writes_them() -> None:
         load_config(None, ["--run.loggers", "[console, swanlab]"])
 
 
-@pytest.mark.parametrize(("value", "loggers"), [("false", ["console"]), ("true", ["console", "tensorboard"])])
-def test_tensorboard_switch_still_read_with_a_warning(value: str, loggers: list[str]) -> None:
-    with pytest.warns(FutureWarning, match=r"run\.tensorboard is deprecated: write run\.loggers: \["):
-        run = load_config(None, ["--run.tensorboard", value]).run
-    assert run.loggers == loggers
-
-
-def test_tensorboard_switch_that_contradicts_loggers_is_an_error() -> None:
-    with pytest.raises(ConfigError, match=r"tensorboard false and loggers \['console', 'tensorboard'\] disagree"):
-        load_config(None, ["--run.tensorboard", "false", "--run.loggers", "[console, tensorboard]"])
+def test_the_old_tensorboard_switch_is_an_unknown_key() -> None:
+    with pytest.raises(ConfigError, match=r"run\.tensorboard: unknown key"):
+        load_config(None, ["--run.tensorboard", "false"])
 
 
 def test_every_logger_name_has_a_tracker() -> None:

@@ -3,7 +3,6 @@ correction, staleness."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Literal
 
 from pydantic import Field, SerializeAsAny, field_validator, model_validator
@@ -78,31 +77,6 @@ class AlgorithmConfig(Section):
 
     entropy_coeff: float = Field(default=0.0, ge=0)
     """Entropy bonus weight."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _old_loss_mode(cls, data: Any) -> Any:
-        """``algorithm.loss_mode`` was the key before losses had config classes: still read, with a warning."""
-        if not isinstance(data, dict) or "loss_mode" not in data:
-            return data
-        data = dict(data)
-        mode = data.pop("loss_mode")
-        loss = data.get("policy_loss")
-        if isinstance(loss, PolicyLossConfig):
-            loss = loss.model_dump()
-        loss = dict(loss or {})
-        if loss.setdefault("loss_mode", mode) != mode:
-            raise ValueError(
-                f"loss_mode {mode!r} and policy_loss.loss_mode {loss['loss_mode']!r} disagree — "
-                "keep only policy_loss.loss_mode (algorithm.loss_mode is deprecated)"
-            )
-        warnings.warn(
-            f"algorithm.loss_mode is deprecated: write algorithm.policy_loss.loss_mode: {mode} (verl's place)",
-            FutureWarning,
-            stacklevel=2,
-        )
-        data["policy_loss"] = loss
-        return data
 
     @field_validator("adv_estimator")
     @classmethod

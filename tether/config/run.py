@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import re
-import warnings
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from tether.config.base import Section
 
@@ -65,33 +64,6 @@ class RunConfig(Section):
 
     watchdog_floor_s: float = Field(default=30.0, gt=0)
     """The least time without a learner step that counts as a stall (300 s before a lifetime's first step)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _old_tensorboard(cls, data: Any) -> Any:
-        """``run.tensorboard: true/false`` was the switch before ``loggers``: still read, with a warning."""
-        if not isinstance(data, dict) or "tensorboard" not in data:
-            return data
-        data = dict(data)
-        wanted = data.pop("tensorboard")
-        if not isinstance(wanted, bool):
-            raise ValueError(f"tensorboard (deprecated) must be true or false, not {wanted!r}; use loggers")
-        if "loggers" in data:
-            given = _as_list(data["loggers"])
-            if ("tensorboard" in given) != wanted:
-                raise ValueError(
-                    f"tensorboard {str(wanted).lower()} and loggers {given} disagree — keep only loggers "
-                    "(run.tensorboard is deprecated)"
-                )
-        else:
-            data["loggers"] = ["console", "tensorboard"] if wanted else ["console"]
-        warnings.warn(
-            f"run.tensorboard is deprecated: write run.loggers: [{', '.join(_as_list(data['loggers']))}] "
-            "(verl's trainer.logger)",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return data
 
     @field_validator("loggers", mode="before")
     @classmethod
