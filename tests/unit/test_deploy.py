@@ -8,6 +8,7 @@ scripts' own ``VAR=${VAR:-default}`` lines.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shlex
@@ -385,3 +386,9 @@ def test_recipe_pair_differs_only_in_staleness() -> None:
     a["algorithm"].pop("max_staleness"), s["algorithm"].pop("max_staleness")
     a["run"].pop("run_id"), s["run"].pop("run_id")
     assert a == s
+
+
+def test_every_subcommand_registers_one_way_and_runs_one_function() -> None:
+    """``tether --help`` lists exactly the commands ``main`` can run, each registered by an ``add_parser(sub)``."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == list(COMMANDS)

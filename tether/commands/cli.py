@@ -38,15 +38,10 @@ def _add_config(p: argparse.ArgumentParser) -> None:
     p.epilog = "Any further --section.key VALUE pairs override the config file."
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tether", description="Asynchronous actor-learner RL post-training for language models."
-    )
-    from tether import __version__
+Subparsers = argparse._SubParsersAction
 
-    parser.add_argument("--version", action="version", version=f"tether {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
+def _add_up(sub: Subparsers) -> None:
     up = sub.add_parser("up", help="run the whole loop on this machine (embedded Redis, learner, rollout servers)")
     _add_config(up)
     up.add_argument(
@@ -59,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         "config unless --config says otherwise",
     )
 
+
+def _add_learner(sub: Subparsers) -> None:
     learner = sub.add_parser("learner", help="start the learner on this node under torchrun")
     _add_config(learner)
     learner.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
@@ -69,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--local-addr", default="", help="this node's address the other learner nodes can reach (multi-homed hosts)"
     )
 
+
+def _add_rollout(sub: Subparsers) -> None:
     rollout = sub.add_parser("rollout", help="start one rollout server (gRPC + prompt worker)")
     _add_config(rollout)
     rollout.add_argument(
@@ -84,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         "generation); docs/FLEETS.md",
     )
 
+
+def _add_status(sub: Subparsers) -> None:
     status = sub.add_parser("status", help="show versions, buffer, servers and throughput of a run")
     _add_config(status)
     status.add_argument("--watch", action="store_true", help="refresh every second until Ctrl-C")
@@ -93,38 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="every rollout fleet serving several runs, with each run's share and versions",
     )
 
-    show = sub.add_parser("config", help="validate a config and print it resolved")
-    _add_config(show)
 
-    from tether.commands.plan.cli import add_parser as add_plan
+def _add_config_command(sub: Subparsers) -> None:
+    _add_config(sub.add_parser("config", help="validate a config and print it resolved"))
 
-    add_plan(sub)
 
-    from tether.commands.relay import add_parser as add_relay
+def _add_run_token(sub: Subparsers) -> None:
+    help_ = "print a run's own token on a fleet serving several runs (its learner's auth_token)"
+    _add_config(sub.add_parser("run-token", help=help_))
 
-    add_relay(sub)
 
-    from tether.commands.view import add_parser as add_view
-
-    add_view(sub)
-
-    from tether.commands.trace import add_parser as add_trace
-
-    add_trace(sub)
-
-    token = sub.add_parser(
-        "run-token", help="print a run's own token on a fleet serving several runs (its learner's auth_token)"
-    )
-    _add_config(token)
-
-    from tether.commands.redis_user import add_parser as add_redis_user
-
-    add_redis_user(sub)
-
-    from tether.commands.model import add_parser as add_model
-
-    add_model(sub)
-
+def _add_make_tiny_model(sub: Subparsers) -> None:
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random model + byte-level tokenizer")
     tiny.add_argument("out_dir", metavar="DIR")
     tiny.add_argument("--hidden", type=int, default=128, help="hidden size (default 128)")
@@ -143,6 +123,32 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--warm-start-steps", type=int, default=4000, help="most warm-start steps (default 4000)")
     tiny.add_argument("--warm-start-target", type=float, default=0.8,
                       help="stop once greedy held-out accuracy reaches this (default 0.8)")  # fmt: skip
+
+
+def _subcommand_adders() -> list[Callable[[Subparsers], None]]:
+    """Each subcommand's ``add_parser(sub)``, in the order ``tether --help`` lists them: the ones with a module
+    of their own register there, the rest above."""
+    from tether.commands.model import add_parser as add_model
+    from tether.commands.plan.cli import add_parser as add_plan
+    from tether.commands.redis_user import add_parser as add_redis_user
+    from tether.commands.relay import add_parser as add_relay
+    from tether.commands.trace import add_parser as add_trace
+    from tether.commands.view import add_parser as add_view
+
+    return [_add_up, _add_learner, _add_rollout, _add_status, _add_config_command, add_plan, add_relay, add_view,
+            add_trace, _add_run_token, add_redis_user, add_model, _add_make_tiny_model]  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tether", description="Asynchronous actor-learner RL post-training for language models."
+    )
+    from tether import __version__
+
+    parser.add_argument("--version", action="version", version=f"tether {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in _subcommand_adders():
+        add(sub)
     return parser
 
 
@@ -347,10 +353,10 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "relay": cmd_relay,
     "view": cmd_view,
     "trace": cmd_trace,
-    "make-tiny-model": cmd_make_tiny_model,
     "run-token": cmd_run_token,
     "redis-user": cmd_redis_user,
     "model": cmd_model,
+    "make-tiny-model": cmd_make_tiny_model,
 }
 
 
