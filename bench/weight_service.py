@@ -182,7 +182,14 @@ class Fleet:
         self.lab, self.work, self.name, self.kind, self.learner = lab, work, name, kind, learner
         ip = lab.ip["learner"]
         transport = (
-            {"type": "store", "host": ip, "port": port, "fanout": 2, "path": str(work / "store" / name)}
+            {
+                "type": "store",
+                "host": ip,
+                "port": port,
+                "fanout": 2,
+                "path": str(work / "store" / name),
+                "base_every": base_every,
+            }
             if kind == "store"
             else {"type": "gloo", "master_addr": ip, "master_port": port}
         )
@@ -191,9 +198,8 @@ class Fleet:
             "model": {"path": str(model_dir), "dtype": "bfloat16"},
             "buffer": {"redis_url": f"redis://{lab.ip['redis']}:{REDIS_PORT}/0"},
             "rollout": {"engine": {"type": "transformers"}, "prompt_workers": 0, "heartbeat_s": 1.0},
-            "weight_sync": {"transport": transport, "publish_dtype": "bfloat16", "base_every": base_every,
-                            "snapshot_every": 0, "prepare_timeout_s": 120, "transfer_timeout_s": 600,
-                            "commit_timeout_s": 300},
+            "weight_sync": {"transport": transport, "publish_dtype": "bfloat16", "snapshot_every": 0,
+                            "prepare_timeout_s": 120, "transfer_timeout_s": 600, "commit_timeout_s": 300},
         }  # fmt: skip
         self.config = work / f"{name}.yaml"
         self.config.write_text(yaml.safe_dump(self.raw_cfg))

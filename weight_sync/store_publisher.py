@@ -76,9 +76,9 @@ class StorePublisher(WeightPublisher):
             self.writer = VersionWriter(
                 self.store,
                 dtype=publish_dtype(cfg, params_device(self._params)),
-                base_every=self.wcfg.base_every,
-                chunk_bytes=max(1, int(self.wcfg.chunk_mb * 2**20)),
-                keep=self.wcfg.keep_versions,
+                base_every=self.wcfg.transport.base_every,
+                chunk_bytes=max(1, int(self.wcfg.transport.chunk_mb * 2**20)),
+                keep=self.wcfg.transport.keep_versions,
             )
             from tether.auth import auth_token
             from weight_sync.chunk_service import serve

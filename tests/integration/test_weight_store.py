@@ -25,12 +25,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def _cfg(tmp_path: Path, redis_url: str, **ws) -> TetherConfig:
-    transport = {"type": "store", "fanout": 1, "chunk_timeout_s": 5.0, "poll_s": 0.01} | ws.pop("transport", {})
+    transport = {"type": "store", "fanout": 1, "chunk_timeout_s": 5.0, "poll_s": 0.01, "chunk_mb": 0.25}
+    transport |= {k: ws.pop(k) for k in ("base_every", "keep_versions", "chunk_mb") if k in ws}
+    transport |= ws.pop("transport", {})
     return TetherConfig.model_validate({
         "run": {"run_id": "store", "output_dir": str(tmp_path / "runs")},
         "buffer": {"redis_url": redis_url},
-        "weight_sync": {"transport": transport, "chunk_mb": 0.25, "transfer_timeout_s": 20,
-                        "commit_timeout_s": 10} | ws,
+        "weight_sync": {"transport": transport, "transfer_timeout_s": 20, "commit_timeout_s": 10} | ws,
     })  # fmt: skip
 
 

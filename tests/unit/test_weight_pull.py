@@ -78,7 +78,7 @@ def test_the_redis_records_round_trip_and_bad_ones_read_as_absent(redis_client: 
 def test_the_store_transport_config_and_the_publish_dtype() -> None:
     cfg = _cfg(port=7100, fanout=3, relays=["r:1"])
     t = cfg.weight_sync.transport
-    assert (t.type, t.port, t.fanout, t.relays, cfg.weight_sync.base_every) == ("store", 7100, 3, ["r:1"], 10)
+    assert (t.type, t.port, t.fanout, t.relays, t.base_every) == ("store", 7100, 3, ["r:1"], 10)
     with pytest.raises(ValueError, match="fanout"):
         _cfg(fanout=-1)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")

@@ -46,7 +46,7 @@ class FilesystemTransport(Section):
 
 class StoreTransport(Section):
     """Versions published once into a store (manifest + chunks, a delta against the version before, a full
-    base every ``weight_sync.base_every``), pulled by every server: from a peer that holds it (a tree of
+    base every ``base_every``), pulled by every server: from a peer that holds it (a tree of
     fan-out ``fanout``), from ``relays``, or from the learner's own chunk service (the origin)."""
 
     type: Literal["store"] = "store"
@@ -68,6 +68,13 @@ class StoreTransport(Section):
     however large the fleet. 0: every server fetches from the origin / relays (no peers)."""
     relays: list[str] = Field(default_factory=list)
     """``tether relay`` addresses (host:port), asked after the peer and before the origin."""
+    base_every: int = Field(default=10, gt=0)
+    """A full base every N versions (a delta against the version before otherwise, and beside each base); a
+    server that is new or far behind fetches the newest base and the deltas after it."""
+    chunk_mb: float = Field(default=4.0, gt=0)
+    """Size of one chunk of a version (the unit that is hashed, fetched and refetched)."""
+    keep_versions: int = Field(default=4, gt=0)
+    """Versions kept readable in the store (each with the base and deltas it needs)."""
     shared: bool = False
     """Every server mounts ``path`` too (a shared filesystem): read it directly before any network source."""
     chunk_timeout_s: float = Field(default=10.0, gt=0)
@@ -128,10 +135,6 @@ class WeightSyncConfig(Section):
     """Receivers return a float64 sum per tensor of what they loaded in CommitWeightUpdateResponse, and the
     learner compares them with its own (costs one extra pass over the weights on both sides)."""
 
-    base_every: int = Field(default=10, gt=0)
-    """Store transport: a full base every N versions (a delta against the version before otherwise, and
-    beside each base); a server that is new or far behind fetches the newest base and the deltas after it."""
-
     publish_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """The dtype floating weights travel in: the store transport publishes versions (and takes deltas) in
     it, and the collective pushes (``gloo``, ``nccl``) cast each tensor to it as gathered and send it so
@@ -140,9 +143,3 @@ class WeightSyncConfig(Section):
     rollout engines serve (``model.dtype``: bfloat16 on GPU, float32 on CPU). The ``filesystem`` transport
     ignores it (its snapshots keep the learner's exact weights). bfloat16 is what makes store deltas
     small: at lr 1e-6 a bf16 delta is about 1 % of the full bytes, a float32 one 40–50 %."""
-
-    chunk_mb: float = Field(default=4.0, gt=0)
-    """Store transport: size of one chunk of a version (the unit that is hashed, fetched and refetched)."""
-
-    keep_versions: int = Field(default=4, gt=0)
-    """Store transport: versions kept readable in the store (each with the base and deltas it needs)."""

@@ -71,7 +71,7 @@ class WeightPath:
                 + ("; 1 would chain every server behind the one before it, N hops deep" if self.fanout == 1 else "")
             )
         if self.base_every < 1:
-            raise ValueError(f"weight_sync.base_every (--base-every) must be >= 1, got {self.base_every}")
+            raise ValueError(f"weight_sync.transport.base_every (--base-every) must be >= 1, got {self.base_every}")
         if self.codec_cores < 1:
             raise ValueError(f"weight_sync.codec_cores (--codec-cores) must be >= 1, got {self.codec_cores}")
         for name, flag in (("link_gb_per_s", "gb_per_s"), ("encode_gb_per_s", None), ("decode_gb_per_s", None)):
