@@ -45,7 +45,7 @@ def mode_order(modes: list[int], seed_index: int) -> list[int]:
 def run_once(args: argparse.Namespace, *, staleness: int, seed: int, model: Path, out: Path) -> dict:
     run_id = f"learning-s{staleness}-seed{seed}"
     cfg = yaml.safe_load((REPO / "configs" / "addition.yaml").read_text())
-    cfg["run"].update(run_id=run_id, output_dir=str(out), seed=seed, tensorboard=False)
+    cfg["run"].update(run_id=run_id, output_dir=str(out), seed=seed, loggers=["console"])
     cfg["model"]["path"] = str(model)
     cfg["rollout"].update(n=args.n, prompt_workers=args.batch)
     cfg["learner"].update(total_steps=args.steps, train_batch_size=args.batch, test_freq=args.test_freq,

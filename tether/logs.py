@@ -34,8 +34,8 @@ def setup_logging(
     """Route structlog and stdlib logging to stderr (console or JSON) and to a JSON-lines file.
 
     ``console_lines`` (``tether up``, whose console is its progress lines and summary): with the ``console``
-    format, stderr gets warnings and errors only, each one ``tether: <level>: <event> key=value ...`` line;
-    everything is in the log file. Events the console already printed in its own words
+    format, stderr gets warnings only, each one ``tether: warning: <event> key=value ...`` line (a failure is
+    the run's own ``tether: error:`` line); everything is in the log file. Events the console already printed in its own words
     (:data:`SHOWN_ON_CONSOLE`) are not repeated."""
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(process=process)
@@ -49,8 +49,8 @@ def setup_logging(
         root.removeHandler(handler)
     console = logging.StreamHandler(sys.stderr)
     if console_lines and console_format != "json":
-        console.setLevel(logging.WARNING)
-        console.addFilter(lambda record: _event(record) not in SHOWN_ON_CONSOLE)
+        console.setLevel(logging.WARNING)  # errors: the run's ending prints its own ``tether: error:`` line
+        console.addFilter(lambda r: r.levelno == logging.WARNING and _event(r) not in SHOWN_ON_CONSOLE)
         console_renderer = _tether_line
     console.setFormatter(_formatter(console_renderer))
     root.addHandler(console)

@@ -106,7 +106,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> P
     data = tmp / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = {
-        "run": {"run_id": "view", "output_dir": str(tmp / "runs"), "tensorboard": False},
+        "run": {"run_id": "view", "output_dir": str(tmp / "runs"), "loggers": ["console"]},
         "model": {"path": str(tiny_model_dir)},
         "rollout": {
             "engine": {"type": "transformers", "max_num_seqs": 32},
