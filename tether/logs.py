@@ -35,8 +35,8 @@ def setup_logging(
 
     ``console_lines`` (``tether up``, whose console is its progress lines and summary): with the ``console``
     format, stderr gets warnings only, each one ``tether: warning: <event> key=value ...`` line (a failure is
-    the run's own ``tether: error:`` line); everything is in the log file. Events the console already printed in its own words
-    (:data:`SHOWN_ON_CONSOLE`) are not repeated."""
+    the run's own ``tether: error:`` line); everything is in the log file. Events the console already printed
+    in its own words (:data:`SHOWN_ON_CONSOLE`) are not repeated."""
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(process=process)
     console_renderer: Any = (
