@@ -26,7 +26,7 @@ from tether.config import TetherConfig
 
 Report = dict[str, float]
 OnDone = Callable[[Report], None]
-Delivery = Callable[[OnDone | None], Report]
+Deliver = Callable[[OnDone | None], Report]
 """Rank 0's rest of a publication once it is staged: ``deliver(on_done)`` returns the ``weight_sync/*`` report."""
 
 
@@ -72,7 +72,7 @@ class WeightPublisher(ABC):
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-publish")
 
     @abstractmethod
-    def _stage(self, version: int, *, snapshot: bool, background: bool, start: float) -> Delivery | None:
+    def _stage(self, version: int, *, snapshot: bool, background: bool, start: float) -> Deliver | None:
         """Every rank: read what this publication needs from the model (all of it when ``background``); rank 0
         returns the delivery, the other ranks None. ``snapshot``: the version is written whole (a resumed
         learner's first publication)."""

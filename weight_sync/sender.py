@@ -63,7 +63,7 @@ from weight_sync.buckets import (
 )
 from weight_sync.handshake import ControlClients, abort_all
 from weight_sync.loading import inflight_message
-from weight_sync.publication import Delivery, WeightPublisher, params_device, publish_dtype
+from weight_sync.publication import Deliver, WeightPublisher, params_device, publish_dtype
 from weight_sync.snapshot import SnapshotWriter, snapshot_root
 from weight_sync.transport import make_sender_transport
 
@@ -133,7 +133,7 @@ class WeightSender(WeightPublisher):
             return list(self.servers())
         return list(self.servers or [])
 
-    def _stage(self, version: int, *, snapshot: bool, background: bool, start: float) -> Delivery | None:
+    def _stage(self, version: int, *, snapshot: bool, background: bool, start: float) -> Deliver | None:
         """Push the model's current weights as ``version`` to every live server; ``snapshot`` also writes
         them as that version's filesystem snapshot, whatever the schedule. In the background every rank
         gathers and rank 0 packs the whole update into staged buckets now; otherwise tensors are gathered

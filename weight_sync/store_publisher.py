@@ -28,7 +28,7 @@ import torch
 from tether import spans
 from tether.config import TetherConfig
 from tether.logs import get_logger
-from weight_sync.publication import Delivery, WeightPublisher, params_device, publish_dtype
+from weight_sync.publication import Deliver, WeightPublisher, params_device, publish_dtype
 from weight_sync.sender import full_tensor
 from weight_sync.sources import DirSource
 from weight_sync.store import VersionStore, VersionWriter
@@ -88,7 +88,7 @@ class StorePublisher(WeightPublisher):
             self.origin = serve(DirSource(self.root), host=transport.host, port=transport.port, token=token)
             log.info("weight_origin_serving", address=self.origin.address, store=str(self.root))
 
-    def _stage(self, version: int, *, snapshot: bool, background: bool, start: float) -> Delivery | None:
+    def _stage(self, version: int, *, snapshot: bool, background: bool, start: float) -> Deliver | None:
         """Every rank gathers parameter by parameter; rank 0 casts each into the version's buffer. With
         ``snapshot`` (a resumed learner's first publication) versions after ``version`` leave the store (their
         timeline is gone) and ``version`` is written as a base."""
