@@ -19,7 +19,7 @@ records its temperature (:data:`tether.trajectory.TEMPERATURE_KEY`) for the lear
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import json
 import math
 import time
 import uuid
@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 
-from rollout_server.engines.base import FINISH_STOP, SamplingSpec
+from rollout_server.engines.base import FINISH_STOP, Sample, SamplingSpec
 from rollout_server.state import ServerState
 from rollout_server.trajectories import build_trajectory
 from rollout_server.validation import BadRequest, check_length, encode, render_messages, sampling_spec
@@ -38,6 +38,16 @@ from tether.trajectory import PROMPT_GROUP_PREFIX, GroupData, TrajectoryData
 from tether.v1 import rollout_pb2, trajectory_pb2
 
 log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Mark:
+    """The record's lengths right after one model turn (``seen`` counts the client's view, reply included)."""
+
+    seen: int
+    tokens: int
+    messages: int
+    stopped: bool
 
 
 @dataclass
@@ -55,6 +65,11 @@ class Episode:
     mask: list[int] = field(default_factory=list)
     last_turn_stopped: bool = False
     turns: int = 0
+    tools: list[dict[str, Any]] | None = None  # OpenAI function schemas the chat template describes
+    seen: list[Any] = field(default_factory=list)
+    """The transcript as the HTTP client sees it (its messages and our replies, normalised), one entry per message."""
+    marks: list[Mark] = field(default_factory=list)
+    """Where the record stood after each model turn: the points an HTTP episode can branch from."""
     started_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -72,6 +87,26 @@ def _stopped_on(tok: Any, ep: Episode) -> str:
     return tok.decode(last, skip_special_tokens=False)
 
 
+def chat_continuation(tok: Any, ep: Episode, new: list[dict[str, Any]]) -> list[int]:
+    """The ids that continue a chat episode's record with ``new`` messages and the generation prompt of the
+    model's next turn: the template is rendered with and without them and the difference is encoded as a
+    continuation (the template's own ``<bos>`` sits in the part already recorded), after whatever the template
+    writes behind the model's last content that the model did not sample itself (ChatML's newline after
+    ``<|im_end|>``). ``new`` is appended to ``ep.messages``."""
+    assert ep.messages is not None
+    before = render_chat(tok, ep.messages, add_generation_prompt=False, tools=ep.tools)
+    after = render_chat(tok, [*ep.messages, *new], tools=ep.tools)
+    if not after.startswith(before):
+        raise BadRequest("step: this chat template re-renders earlier turns; use a text episode instead")
+    last = ep.messages[-1]["content"]
+    tail = before[before.rfind(last) + len(last) :]
+    stop = _stopped_on(tok, ep)
+    if stop and tail.startswith(stop):
+        tail = tail[len(stop) :]
+    ep.messages.extend(new)
+    return encode_continuation(tok, tail + after[len(before) :])
+
+
 class EpisodeStore:
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -85,8 +120,7 @@ class EpisodeStore:
     def _get(self, episode_id: str) -> Episode:
         ep = self._episodes.get(episode_id)
         if ep is not None and time.monotonic() - ep.last_used > self.timeout_s:
-            self._episodes.pop(episode_id, None)
-            ep = None
+            ep = None  # the sweeper removes it, and dead-letters what it held
         if ep is None:
             raise BadRequest(
                 f"episode {episode_id!r} not found: unknown, closed, or idle longer than "
@@ -122,15 +156,50 @@ class EpisodeStore:
                 f"sampling.{key}: episodes are trained on, so they sample the full temperature-scaled "
                 "distribution the learner recomputes; leave top_p and top_k unset"
             )
-        if req.group_id.startswith(PROMPT_GROUP_PREFIX):
-            raise BadRequest(f"group_id: the prefix {PROMPT_GROUP_PREFIX!r} is reserved for prompts-stream groups")
-        eid = uuid.uuid4().hex
-        self._episodes[eid] = Episode(
-            eid, ids, spec, messages, req.group_id or f"episode-{eid}", max(1, req.group_size), dict(req.metadata)
-        )
+        ep = self.create(uuid.uuid4().hex, ids, spec, messages, req.group_id, req.group_size, dict(req.metadata))
         return rollout_pb2.OpenEpisodeResponse(
-            episode_id=eid, prompt_token_ids=ids, expires_in_ms=int(self.timeout_s * 1000)
+            episode_id=ep.id, prompt_token_ids=ids, expires_in_ms=int(self.timeout_s * 1000)
         )
+
+    def create(
+        self,
+        eid: str,
+        ids: list[int],
+        spec: SamplingSpec,
+        messages: list[dict[str, Any]] | None,
+        group_id: str,
+        group_size: int,
+        metadata: dict[str, str],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> Episode:
+        """A new episode under ``eid`` whose record starts with the prompt ``ids`` (checked by the caller)."""
+        if group_id.startswith(PROMPT_GROUP_PREFIX):
+            raise BadRequest(f"group_id: the prefix {PROMPT_GROUP_PREFIX!r} is reserved for prompts-stream groups")
+        ep = Episode(eid, ids, spec, messages, group_id or f"episode-{eid}", max(1, group_size), metadata, tools=tools)
+        self._episodes[eid] = ep
+        return ep
+
+    def lookup(self, episode_id: str) -> Episode | None:
+        """The live episode ``episode_id``, or None (never opened, closed, or idle past the timeout)."""
+        try:
+            return self._get(episode_id)
+        except BadRequest:
+            return None
+
+    def discard(self, episode_id: str) -> None:
+        self._episodes.pop(episode_id, None)
+
+    @staticmethod
+    def rewind(ep: Episode, mark: Mark) -> None:
+        """Cut the record back to where it stood at ``mark`` (what came after is dropped by the caller's count)."""
+        n = mark.tokens
+        del ep.tokens[n:], ep.logprobs[n:], ep.versions[n:], ep.mask[n:], ep.seen[mark.seen :]
+        if ep.messages is not None:
+            del ep.messages[mark.messages :]
+        ep.marks = [m for m in ep.marks if m.tokens <= n]
+        ep.turns = len(ep.marks)
+        ep.last_turn_stopped = mark.stopped
 
     def _observation_ids(self, ep: Episode, req: rollout_pb2.StepRequest) -> list[int]:
         tok = self.state.engine.tokenizer
@@ -144,49 +213,16 @@ class EpisodeStore:
         message = {"role": req.observation_role or "user", "content": req.observation}
         if message["role"] not in {"user", "tool", "system"}:
             raise BadRequest(f"step.observation_role: {message['role']!r} is not one of user, tool, system")
-        before = render_chat(tok, ep.messages, add_generation_prompt=False)
-        after = render_chat(tok, [*ep.messages, message])
-        if not after.startswith(before):
-            raise BadRequest("step: this chat template re-renders earlier turns; use a text episode instead")
-        # What the template writes after the model's last content that the model did not generate itself.
-        last = ep.messages[-1]["content"]
-        tail = before[before.rfind(last) + len(last) :]
-        stop = _stopped_on(tok, ep)
-        if stop and tail.startswith(stop):
-            tail = tail[len(stop) :]
-        ep.messages.append(message)
-        # The difference continues the episode: the template's own <bos> sits in `before`, not here.
-        return encode_continuation(tok, tail + after[len(before) :])
+        return chat_continuation(tok, ep, [message])
 
     async def step(self, req: rollout_pb2.StepRequest) -> rollout_pb2.StepResponse:
         ep = self._get(req.episode_id)
-        e = self.state.engine
         async with ep.lock:
             if req.observation:
-                obs = self._observation_ids(ep, req)
-                ep.tokens += obs
-                ep.logprobs += [0.0] * len(obs)
-                ep.versions += [e.policy_version] * len(obs)
-                ep.mask += [0] * len(obs)
-            context = ep.prompt_ids + ep.tokens
-            room = e.max_model_len - len(context)
-            if room <= 0:
-                raise BadRequest(
-                    f"episode {ep.id}: {len(context)} tokens fill the model's context ({e.max_model_len}); close it",
-                    grpc.StatusCode.OUT_OF_RANGE,
-                )
-            spec = ep.spec if room >= ep.spec.max_tokens else replace(ep.spec, max_tokens=room)
-            (sample,) = await e.generate(context, spec)
-            ep.tokens += sample.token_ids
-            ep.logprobs += sample.logprobs
-            ep.versions += sample.versions
-            ep.mask += [1] * len(sample.token_ids)
-            ep.turns += 1
-            ep.last_turn_stopped = sample.finish_reason == FINISH_STOP
-            if ep.messages is not None:
-                ep.messages.append({"role": "assistant", "content": sample.text})
-            ep.last_used = time.monotonic()
-            self.state.metrics.add_tokens(len(sample.token_ids))
+                self.observe(ep, self._observation_ids(ep, req))
+            context, spec = self.next_turn(ep, ep.spec)
+            (sample,) = await self.state.engine.generate(context, spec)
+            self.record(ep, sample)
             return rollout_pb2.StepResponse(
                 text=sample.text,
                 token_ids=sample.token_ids,
@@ -195,6 +231,39 @@ class EpisodeStore:
                 finish_reason=sample.finish_reason,  # type: ignore[arg-type]
                 total_tokens=len(ep.prompt_ids) + len(ep.tokens),
             )
+
+    def observe(self, ep: Episode, ids: list[int]) -> None:
+        """Append environment tokens (not trained on: mask 0, log-prob 0, the engine's current version)."""
+        ep.tokens += ids
+        ep.logprobs += [0.0] * len(ids)
+        ep.versions += [self.state.engine.policy_version] * len(ids)
+        ep.mask += [0] * len(ids)
+
+    def next_turn(self, ep: Episode, spec: SamplingSpec) -> tuple[list[int], SamplingSpec]:
+        """The context of the model's next turn and ``spec`` cut to the room left in the model's context."""
+        context = ep.prompt_ids + ep.tokens
+        room = self.state.engine.max_model_len - len(context)
+        if room <= 0:
+            raise BadRequest(
+                f"episode {ep.id}: {len(context)} tokens fill the model's context "
+                f"({self.state.engine.max_model_len}); close it",
+                grpc.StatusCode.OUT_OF_RANGE,
+            )
+        return context, spec if room >= spec.max_tokens else replace(spec, max_tokens=room)
+
+    def record(self, ep: Episode, sample: Sample, *, content: str | None = None) -> None:
+        """Append the model's turn exactly as sampled; ``content`` is the assistant message the chat template
+        sees for it (its decoded text by default)."""
+        ep.tokens += sample.token_ids
+        ep.logprobs += sample.logprobs
+        ep.versions += sample.versions
+        ep.mask += [1] * len(sample.token_ids)
+        ep.turns += 1
+        ep.last_turn_stopped = sample.finish_reason == FINISH_STOP
+        if ep.messages is not None:
+            ep.messages.append({"role": "assistant", "content": sample.text if content is None else content})
+        ep.last_used = time.monotonic()
+        self.state.metrics.add_tokens(len(sample.token_ids))
 
     async def close(self, req: rollout_pb2.CloseEpisodeRequest) -> rollout_pb2.CloseEpisodeResponse:
         # A NaN or infinite reward would poison every advantage of its group in the learner; refuse it
@@ -251,9 +320,9 @@ class EpisodeStore:
             await asyncio.sleep(period)
             now = time.monotonic()
             for eid in [k for k, ep in self._episodes.items() if now - ep.last_used > self.timeout_s]:
-                with contextlib.suppress(KeyError):
-                    del self._episodes[eid]
-                log.info("episode_expired", episode_id=eid)
+                ep = self._episodes.pop(eid, None)
+                if ep is not None:
+                    await self._expired(ep)
             for gid in [g for g, (t, _) in self._groups.items() if now - t > 2 * self.timeout_s]:
                 _, members = self._groups.pop(gid)
                 log.warning("episode_group_incomplete", group_id=gid, closed=len(members))
@@ -262,3 +331,19 @@ class EpisodeStore:
                         await self.state.sink.count("episode_groups_incomplete")
                     except Exception as e:  # Redis away: the log line above still says it
                         log.warning("episode_group_incomplete_not_counted", group_id=gid, error=str(e))
+
+    async def _expired(self, ep: Episode) -> None:
+        """An episode nobody closed: logged, and one with a model turn dead-lettered with the reason (its record
+        as JSON ids, so an operator can see what was lost; it is never trained on without a reward)."""
+        log.info("episode_expired", episode_id=ep.id, turns=ep.turns)
+        if not ep.turns or self.state.sink is None:
+            return
+        limit = f"{self.timeout_s:g}s (rollout.episode_idle_timeout_s)"
+        reason = f"episode {ep.id} ({ep.group_id}): not closed within {limit}"
+        record = {"episode_id": ep.id, "group_id": ep.group_id, "turns": ep.turns, "prompt_token_ids": ep.prompt_ids,
+                  "token_ids": ep.tokens, "loss_mask": ep.mask, "metadata": ep.metadata}  # fmt: skip
+        try:
+            await self.state.sink.dead_letter(reason=reason, data=json.dumps(record).encode())
+            self.state.metrics.dead_lettered.inc()
+        except Exception as e:  # Redis away: the log line above still says it
+            log.warning("episode_expired_not_dead_lettered", episode_id=ep.id, error=str(e))

@@ -119,6 +119,7 @@ async def serve(
 
         puller = await start_puller(state)
     await server.start()
+    door = await _open_door(state, episodes, host)
     await set_serving(health, True)
     if rc.metrics_port is not None:
         state.metrics.serve(rc.host, rc.metrics_port)
@@ -140,6 +141,7 @@ async def serve(
         engine=engine.name,
         server_id=server_id,
         prompt_workers=rc.prompt_workers if state.sink else 0,
+        openai_address=state.openai_address or None,
         tls=bool(rc.tls_cert),
         threads=_torch_threads(),
     )
@@ -150,6 +152,8 @@ async def serve(
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await server.stop(grace=1.0)
+    if door is not None:
+        await door.stop()
     if puller is not None:
         puller.close()
     if state.sink is not None:
@@ -161,6 +165,18 @@ async def serve(
     await engine.shutdown()
     log.info("rollout_server_stopped", server_id=server_id, generated_tokens=state.metrics.total_tokens)
     return 1 if worker_task is not None and _crashed(worker_task) else 0
+
+
+async def _open_door(state, episodes, host: str):  # type: ignore[no-untyped-def]
+    """The OpenAI-compatible HTTP door when ``rollout.openai.port`` is set (None otherwise)."""
+    rc = state.cfg.rollout
+    if rc.openai.port is None:
+        return None
+    from rollout_server.openai_api.serve import OpenAIDoor
+
+    door = OpenAIDoor(state, episodes, host=rc.host, port=rc.openai.port)
+    state.openai_address = f"http://{host}:{await door.start()}/v1"
+    return door
 
 
 def _crashed(task: asyncio.Task) -> bool:
@@ -246,7 +262,11 @@ async def _heartbeat_forever(state, control, stop: asyncio.Event) -> None:  # ty
                 address=state.address,
                 engine=state.engine.name,
                 policy_version=state.engine.policy_version,
-                extra={"running": state.engine.running_requests, "draining": int(state.draining)},
+                extra={
+                    "running": state.engine.running_requests,
+                    "draining": int(state.draining),
+                    **({"openai_address": state.openai_address} if state.openai_address else {}),
+                },
             )
             # A server the learner's update missed (it was not in the registry then — e.g. its entry had
             # expired over a Redis outage — or it missed a deadline) would otherwise stay behind until the

@@ -46,6 +46,14 @@ class ServerMetrics:
         self.dead_lettered = Counter(
             "tether_rollout_dead_lettered", "Groups sent to the dead-letter stream", registry=r
         )
+        self.episode_branches = Counter(
+            "tether_rollout_episode_branches",
+            "HTTP episode turns whose messages did not extend the transcript (the record was cut back)",
+            registry=r,
+        )
+        self.tool_calls_malformed = Counter(
+            "tether_rollout_tool_calls_malformed", "Replies whose tool call did not parse (sent as text)", registry=r
+        )
         self.pauses_expired = Counter(
             "tether_rollout_pauses_expired", "Pauses that ended by rollout.pause_timeout_s, not Resume", registry=r
         )

@@ -36,6 +36,8 @@ class ServerState:
     metrics: ServerMetrics
     sink: BufferSink | None = None
     address: str = ""
+    openai_address: str = ""
+    """The OpenAI-compatible door's base URL (``http://host:port/v1``); "" when it is off."""
     draining: bool = False
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)

