@@ -71,6 +71,30 @@ def test_environment_episodes_are_trained_on(tmp_path: Path, tiny_model_dir: Pat
 
 
 @pytest.mark.slow
+def test_an_openai_agent_s_episodes_are_trained_on(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """examples/openai_agent.py, written against the OpenAI API, plays through the rollout server's door; the
+    learner trains on exactly its groups."""
+    port = free_port()
+    cfg = config(tmp_path, tiny_model_dir, run_id="agent", rollout={"openai": {"port": port}, "prompt_workers": 0},
+                 learner={})  # fmt: skip
+    up = start_up(cfg)
+    try:
+        agent = subprocess.run(
+            [sys.executable, "examples/openai_agent.py", "--base-url", f"http://127.0.0.1:{port}/v1", "--tasks", "4",
+             "--group-size", "3", "--max-turns", "3"],
+            cwd=REPO, capture_output=True, text=True, timeout=420,
+        )  # fmt: skip
+        assert agent.returncode == 0, agent.stdout + agent.stderr
+        assert "episodes 12," in agent.stdout
+        rows, stats = finished_run(up, tmp_path / "runs" / "agent")
+    finally:
+        up.kill()
+    assert [r["step"] for r in rows] == [1, 2]
+    assert sum(r["data/groups"] for r in rows) == 4 == stats["buffer/acknowledged"]
+    assert stats["buffer/produced"] == 4 and stats["buffer/dead_letter"] == 0
+
+
+@pytest.mark.slow
 def test_reward_service_scores_what_the_learner_trains_on(tmp_path: Path, tiny_model_dir: Path) -> None:
     data = tmp_path / "math.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"

@@ -117,8 +117,9 @@ def _client(app, episode: str):  # type: ignore[no-untyped-def]
     import openai
 
     http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://door")
+    headers = {"X-Tether-Episode": episode} if episode else {}
     return openai.AsyncOpenAI(base_url="http://door/v1", api_key="-", http_client=http, max_retries=0,
-                              default_headers={"X-Tether-Episode": episode})  # fmt: skip
+                              default_headers=headers)  # fmt: skip
 
 
 async def test_an_agents_sdk_agent_calls_a_tool_and_trains_token_exact(redis_url: str) -> None:
@@ -165,3 +166,51 @@ async def test_a_malformed_call_comes_back_as_text_and_is_counted(redis_url: str
     assert state.metrics.tool_calls_malformed._value.get() == 1
     await client.close()
     await asyncio.to_thread(state.sink.close)
+
+
+class HeldEngine(ScriptedEngine):
+    """Holds every generation until ``release`` is set; ``paused`` as the test says."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer, ["ok"])
+        self.release = asyncio.Event()
+        self.is_paused = False
+
+    async def stream(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
+        await self.release.wait()
+        async for c in super().stream(prompt_ids, spec, request_id=request_id):
+            yield c
+
+    @property
+    def paused(self) -> bool:
+        return self.is_paused
+
+
+async def test_over_capacity_is_429_and_a_long_pause_is_503(redis_url: str) -> None:
+    import openai
+
+    from rollout_server.episodes import EpisodeStore
+    from rollout_server.metrics import ServerMetrics
+    from rollout_server.openai_api.app import build_app
+    from rollout_server.state import ServerState
+    from tether.config import TetherConfig
+
+    engine = HeldEngine(build_tokenizer())
+    cfg = TetherConfig.model_validate({"rollout": {"max_concurrent_requests": 1, "openai": {"pause_wait_s": 0.2}}})
+    state = ServerState(cfg=cfg, engine=engine, server_id="s", metrics=ServerMetrics("s"))
+    client = _client(build_app(state, EpisodeStore(state)), "")
+    messages = [{"role": "user", "content": "hi"}]
+    first = asyncio.create_task(client.chat.completions.create(model="m", messages=messages, max_tokens=4))
+    while state.inflight == 0:
+        await asyncio.sleep(0.01)
+    with pytest.raises(openai.RateLimitError) as err:
+        await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+    assert "rollout.max_concurrent_requests" in err.value.body["message"]
+    engine.release.set()
+    assert (await first).choices[0].message.content == "ok"
+    engine.is_paused = True
+    with pytest.raises(openai.InternalServerError) as err:
+        await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+    assert err.value.status_code == 503 and "rollout.openai.pause_wait_s" in err.value.body["message"]
+    assert err.value.response.headers["retry-after"]
+    await client.close()

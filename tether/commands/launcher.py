@@ -96,7 +96,14 @@ def rollout_command(cfg: TetherConfig, *, index: int, redis_url: str = "") -> li
         str(cfg.run.seed + 1000 * (index + 1)),
         *_redis_override(redis_url),
         *_model_override(cfg),
+        *_openai_port(cfg, index),
     ]
+
+
+def _openai_port(cfg: TetherConfig, index: int) -> list[str]:
+    # A fixed OpenAI door port is the first server's; server i takes port + i (0 stays "any free port").
+    port = cfg.rollout.openai.port
+    return ["--rollout.openai.port", str(port + index)] if port else []
 
 
 def _redis_override(url: str) -> list[str]:
