@@ -23,8 +23,12 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
+
+# Runs from a checkout without installing: the charclass task's prompts and reward are tether's own (tether.tasks).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 LOW, HIGH = 1, 100
 _INTEGER = re.compile(r"-?\d+")
@@ -62,6 +66,20 @@ def play(client: openai.OpenAI, *, secret: int, group: str, size: int, max_turns
     return reward
 
 
+def play_charclass(client: openai.OpenAI, *, row: dict[str, str], group: str, size: int, max_tokens: int) -> float:
+    """One turn of tether's ``charclass`` demo task ("digits:" → emit digits) as a chat: the reward is the
+    fraction of the reply's characters in the named class — a task the tiny demo model learns in minutes."""
+    from tether.tasks import charclass_reward
+
+    episode = f"{group}-{uuid.uuid4().hex[:8]}"
+    headers = {"X-Tether-Episode": episode, "X-Tether-Group": group, "X-Tether-Group-Size": str(size)}
+    out = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}],
+                                         max_tokens=max_tokens, extra_headers=headers)  # fmt: skip
+    reward = charclass_reward(out.choices[0].message.content or "", row["answer"])
+    client.post(f"/episodes/{episode}/reward", body={"reward": reward}, cast_to=object)
+    return reward
+
+
 def wait_ready(client: openai.OpenAI, wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
     while True:
@@ -82,6 +100,12 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=4, help="episodes per task (GRPO group size)")
     parser.add_argument("--max-turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens per model turn")
+    parser.add_argument(
+        "--task",
+        choices=["guess", "charclass"],
+        default="guess",
+        help="the guessing game, or tether's charclass demo task (one turn; learnable by the tiny model)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--wait-s", type=float, default=120.0, help="how long to wait for the server to answer")
     args = parser.parse_args()
@@ -93,20 +117,37 @@ def main() -> int:
         print(f"openai_agent: {args.base_url} did not answer within {args.wait_s:g}s ({e})", file=sys.stderr)
         return 2
     rng = random.Random(args.seed)
+    rows = None
+    if args.task == "charclass":
+        from tether.tasks import demo_rows
+
+        rows = demo_rows("charclass", seed=args.seed)
     rewards: list[float] = []
     with ThreadPoolExecutor(max_workers=args.group_size) as pool:  # a group's episodes run concurrently
         for task in range(args.tasks):
-            secret, group = rng.randint(LOW, HIGH), f"agent-{uuid.uuid4().hex[:8]}"
-            futures = [
-                pool.submit(play, client, secret=secret, group=group, size=args.group_size,
-                            max_turns=args.max_turns, max_tokens=args.max_tokens)
-                for _ in range(args.group_size)
-            ]  # fmt: skip
-            group_rewards = [f.result() for f in futures]
+            group = f"agent-{uuid.uuid4().hex[:8]}"
+            if rows is not None:
+                row = next(rows)
+                futures = [pool.submit(play_charclass, client, row=row, group=group, size=args.group_size,
+                                       max_tokens=args.max_tokens) for _ in range(args.group_size)]  # fmt: skip
+                what = row["prompt"]
+            else:
+                secret = rng.randint(LOW, HIGH)
+                futures = [
+                    pool.submit(play, client, secret=secret, group=group, size=args.group_size,
+                                max_turns=args.max_turns, max_tokens=args.max_tokens)
+                    for _ in range(args.group_size)
+                ]  # fmt: skip
+                what = f"secret {secret}"
+            try:
+                group_rewards = [f.result() for f in futures]
+            except openai.APIConnectionError:
+                print(f"the server went away after {task} tasks (the run ended?)", flush=True)
+                break
             rewards += group_rewards
-            print(f"task {task + 1}/{args.tasks}: secret {secret}, mean reward "
+            print(f"task {task + 1}/{args.tasks}: {what}, mean reward "
                   f"{sum(group_rewards) / len(group_rewards):.3f}", flush=True)  # fmt: skip
-    print(f"episodes {len(rewards)}, mean reward {sum(rewards) / len(rewards):.3f}", flush=True)
+    print(f"episodes {len(rewards)}, mean reward {sum(rewards) / max(len(rewards), 1):.3f}", flush=True)
     return 0
 
 

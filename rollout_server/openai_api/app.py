@@ -142,9 +142,6 @@ class Door:
             async with lock:
                 yield
 
-    def count(self, route: str, code: str) -> None:
-        self.state.metrics.requests.labels(route, code).inc()
-
 
 def build_app(state: ServerState, store: EpisodeStore) -> FastAPI:
     """The ASGI app; :mod:`rollout_server.openai_api.serve` runs it on the server's loop."""
@@ -154,15 +151,25 @@ def build_app(state: ServerState, store: EpisodeStore) -> FastAPI:
     app.state.door = door
 
     @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Any:
-        if token and request.url.path != "/health":
-            sent = request.headers.get("authorization", "")
-            if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
-                what = "missing 'Authorization: Bearer <token>'" if not sent else "wrong bearer token"
-                return r.error(
-                    401, f"{what} (the run's token: rollout.auth_token / TETHER_AUTH_TOKEN)", code="invalid_api_key"
-                )
-        return await call_next(request)
+    async def _guard(request: Request, call_next: Any) -> Any:
+        """The run's bearer token on every route but ``/health``; each answer counted by route and status
+        (``tether_rollout_requests{method="http:/v1/chat/completions", code="429"}``)."""
+        start = time.perf_counter()
+        sent = request.headers.get("authorization", "")
+        if (
+            token
+            and request.url.path != "/health"
+            and not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode())
+        ):
+            what = "missing 'Authorization: Bearer <token>'" if not sent else "wrong bearer token"
+            response = r.error(401, f"{what} (the run's token: rollout.auth_token / TETHER_AUTH_TOKEN)",
+                               code="invalid_api_key")  # fmt: skip
+        else:
+            response = await call_next(request)
+        route = getattr(request.scope.get("route"), "path", "other")
+        state.metrics.requests.labels(f"http:{route}", str(response.status_code)).inc()
+        state.metrics.latency.labels(f"http:{route}").observe(time.perf_counter() - start)
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -284,7 +291,6 @@ async def chat_completion(door: Door, body: ChatCompletionRequest, request: Requ
                 "tether": r.extension(s),
             }
             choices.append(choice)
-        door.count("http:/v1/chat/completions", "OK")
         return r.envelope(
             "chat.completion",
             rid,
@@ -403,7 +409,6 @@ async def _chat_stream(
                 r.envelope("chat.completion.chunk", rid, door.model, choices=[], usage=r.usage(len(context), samples))
             )
         yield r.sse("[DONE]")
-        door.count("http:/v1/chat/completions", "OK")
     finally:
         if not finished and turn is not None:
             door.sessions.abandon(turn)
@@ -461,7 +466,6 @@ async def text_completion(door: Door, body: CompletionRequest, request: Request)
                     "tether": r.extension(x),
                 }
             )
-    door.count("http:/v1/completions", "OK")
     return r.envelope(
         "text_completion",
         rid,

@@ -206,6 +206,7 @@ async def test_over_capacity_is_429_and_a_long_pause_is_503(redis_url: str) -> N
     with pytest.raises(openai.RateLimitError) as err:
         await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
     assert "rollout.max_concurrent_requests" in err.value.body["message"]
+    assert state.metrics.requests.labels("http:/v1/chat/completions", "429")._value.get() == 1
     engine.release.set()
     assert (await first).choices[0].message.content == "ok"
     engine.is_paused = True
