@@ -24,13 +24,22 @@ MAX_REASON_CHARS = 500
 
 
 def dead_letter(
-    client: redis.Redis, keys: RedisKeys, *, source: str, reason: str, data: bytes, maxlen: int = 1000
+    client: redis.Redis,
+    keys: RedisKeys,
+    *,
+    source: str,
+    reason: str,
+    data: bytes,
+    maxlen: int = 1000,
+    counter: str = ROLLOUT_DEAD_LETTER,
 ) -> str:
     """Append ``data`` (a serialized prompt or group) with ``source`` and ``reason`` to the dead-letter
-    stream (capped at about ``maxlen`` entries) and count it; the new entry's id."""
+    stream (capped at about ``maxlen`` entries) and count it under ``counter``; the new entry's id. Work that
+    never held a prompt's admission slot (an episode nobody closed) is counted under its own counter, so no
+    slot is given back for it."""
     fields = {"source": source, "reason": reason[:MAX_REASON_CHARS], "data": data, "time": repr(time.time())}
     pipe = client.pipeline(transaction=True)
     pipe.xadd(keys.dead_letter, fields, maxlen=maxlen, approximate=True)
-    pipe.hincrby(keys.counters, ROLLOUT_DEAD_LETTER, 1)
+    pipe.hincrby(keys.counters, counter, 1)
     entry_id, _ = pipe.execute()
     return text(entry_id)

@@ -30,6 +30,7 @@ COUNTERS = (
     "dropped_stale",
     "dropped_stale_env",
     "episode_groups_incomplete",
+    "episodes_expired",
     "dead_letter",
     "duplicates",
     "prompts_issued",

@@ -39,6 +39,9 @@ from tether.v1 import rollout_pb2, trajectory_pb2
 
 log = get_logger(__name__)
 
+EXPIRED = "episodes_expired"
+"""The run's counter of episodes nobody closed (dead-lettered; ``tether status``)."""
+
 
 @dataclass(frozen=True)
 class Mark:
@@ -343,7 +346,6 @@ class EpisodeStore:
         record = {"episode_id": ep.id, "group_id": ep.group_id, "turns": ep.turns, "prompt_token_ids": ep.prompt_ids,
                   "token_ids": ep.tokens, "loss_mask": ep.mask, "metadata": ep.metadata}  # fmt: skip
         try:
-            await self.state.sink.dead_letter(reason=reason, data=json.dumps(record).encode())
-            self.state.metrics.dead_lettered.inc()
+            await self.state.sink.dead_letter(reason=reason, data=json.dumps(record).encode(), counter=EXPIRED)
         except Exception as e:  # Redis away: the log line above still says it
             log.warning("episode_expired_not_dead_lettered", episode_id=ep.id, error=str(e))

@@ -143,14 +143,14 @@ class BufferSink:
             else:
                 done.set_result(result)
 
-    async def dead_letter(self, *, reason: str, data: bytes) -> None:
+    async def dead_letter(self, *, reason: str, data: bytes, counter: str = "") -> None:
         """Park work that cannot be completed, with why, where an operator (and ``tether status``) sees it;
         counted, so the prompt's admission slot goes back to the learner (see :mod:`buffer.dead_letter`)."""
         from buffer import dead_letter
 
         await self._call(
             dead_letter, self.client, self.keys, source=self.source, reason=reason, data=data,
-            maxlen=self.cfg.buffer.dead_letter_maxlen,
+            maxlen=self.cfg.buffer.dead_letter_maxlen, **({"counter": counter} if counter else {}),
         )  # fmt: skip
 
     async def count(self, counter: str, n: int = 1) -> None:

@@ -215,3 +215,33 @@ async def test_over_capacity_is_429_and_a_long_pause_is_503(redis_url: str) -> N
     assert err.value.status_code == 503 and "rollout.openai.pause_wait_s" in err.value.body["message"]
     assert err.value.response.headers["retry-after"]
     await client.close()
+
+
+async def test_an_episode_nobody_closes_is_dead_lettered_with_its_reason(redis_url: str) -> None:
+    import redis
+
+    from buffer import RedisKeys
+    from rollout_server.episodes import EXPIRED
+
+    app, _engine, state, store = _door(["fine"], redis_url)
+    state.cfg.rollout.episode_idle_timeout_s = 0.2
+    store.timeout_s = 0.2
+    client = _client(app, "left-open")
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    sweeper = asyncio.create_task(store.sweep_forever())
+    r = redis.Redis.from_url(redis_url)
+    keys = RedisKeys("door-unit")
+    before = int(r.hget(keys.counters, "rollout_dead_letter") or 0)
+    for _ in range(100):
+        if len(store) == 0 and r.hget(keys.counters, EXPIRED):  # (a lookup would count as a use of it)
+            break
+        await asyncio.sleep(0.05)
+    sweeper.cancel()
+    (entry,) = [f for _, f in r.xrange(keys.dead_letter) if b"left-open" in f[b"reason"]]
+    assert b"not closed within 0.2s (rollout.episode_idle_timeout_s)" in entry[b"reason"]
+    assert json.loads(entry[b"data"])["turns"] == 1
+    assert int(r.hget(keys.counters, EXPIRED)) == 1
+    assert int(r.hget(keys.counters, "rollout_dead_letter") or 0) == before  # no prompt slot given back for it
+    r.close()
+    await client.close()
+    await asyncio.to_thread(state.sink.close)

@@ -66,7 +66,8 @@ def render_status(cfg: TetherConfig, client: redis.Redis, new: Sample, old: Samp
         f"acknowledged {s['buffer/acknowledged']:.0f}   dropped stale {s['buffer/dropped_stale']:.0f} "
         f"(episodes {s['buffer/dropped_stale_env']:.0f})   "
         f"dead letter {s['buffer/dead_letter']:.0f}   duplicates {s['buffer/duplicates']:.0f}",
-        f"episode groups never filled {s['buffer/episode_groups_incomplete']:.0f}",
+        f"episode groups never filled {s['buffer/episode_groups_incomplete']:.0f}   "
+        f"episodes never closed {s.get('buffer/episodes_expired', 0):.0f} (dead-lettered)",
         f"staleness: mean {s['buffer/staleness_mean']:.2f}   max {s['buffer/staleness_max']:.0f}   "
         f"(max_staleness {cfg.algorithm.max_staleness})",
         f"throughput: produced {fmt(rate(new, old, 'buffer/produced'))} groups/s   "
