@@ -6,3 +6,5 @@ Modules: ``losses`` (pure loss functions), ``packing`` (samples, micro-batch pla
 step), ``checkpoint``, ``data`` and ``feed`` (rank 0's prompts and groups), ``telemetry`` and ``main``
 (the process).
 """
+
+import tether  # noqa: F401  (first: its process-wide gRPC fork rule, tether/__init__.py)

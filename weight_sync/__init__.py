@@ -7,3 +7,5 @@ implement it in ``rollout_server/engines/``). Weight sync never imports or inspe
 weight_sync/README.md for the handshake, failure handling and measured costs. Importing this package
 imports nothing heavy; import the submodule you need.
 """
+
+import tether  # noqa: F401  (first: its process-wide gRPC fork rule, tether/__init__.py)
