@@ -66,16 +66,25 @@ def play(client: openai.OpenAI, *, secret: int, group: str, size: int, max_turns
     return reward
 
 
-def play_charclass(client: openai.OpenAI, *, row: dict[str, str], group: str, size: int, max_tokens: int) -> float:
-    """One turn of tether's ``charclass`` demo task ("digits:" → emit digits) as a chat: the reward is the
-    fraction of the reply's characters in the named class — a task the tiny demo model learns in minutes."""
+def play_charclass(client: openai.OpenAI, *, row: dict[str, str], group: str, size: int, max_tokens: int,
+                   chat: bool) -> float:  # fmt: skip
+    """One turn of tether's ``charclass`` demo task ("digits:" → emit digits): the reward is the fraction of the
+    reply's characters in the named class — a task the tiny demo model learns in minutes. ``chat``: the prompt
+    is a user message (through the chat template); else the raw text on ``/v1/completions``, as the demo's
+    prompts stream sends it."""
     from tether.tasks import charclass_reward
 
     episode = f"{group}-{uuid.uuid4().hex[:8]}"
     headers = {"X-Tether-Episode": episode, "X-Tether-Group": group, "X-Tether-Group-Size": str(size)}
-    out = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}],
-                                         max_tokens=max_tokens, extra_headers=headers)  # fmt: skip
-    reward = charclass_reward(out.choices[0].message.content or "", row["answer"])
+    if chat:
+        out = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}],
+                                             max_tokens=max_tokens, extra_headers=headers)  # fmt: skip
+        text = out.choices[0].message.content or ""
+    else:
+        out = client.completions.create(model="policy", prompt=row["prompt"], max_tokens=max_tokens,
+                                        extra_headers=headers)  # fmt: skip
+        text = out.choices[0].text
+    reward = charclass_reward(text, row["answer"])
     client.post(f"/episodes/{episode}/reward", body={"reward": reward}, cast_to=object)
     return reward
 
@@ -106,6 +115,12 @@ def main() -> int:
         default="guess",
         help="the guessing game, or tether's charclass demo task (one turn; learnable by the tiny model)",
     )
+    parser.add_argument(
+        "--endpoint",
+        choices=["chat", "completions"],
+        default="chat",
+        help="charclass: prompts as chat messages, or raw text on /v1/completions",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--wait-s", type=float, default=120.0, help="how long to wait for the server to answer")
     args = parser.parse_args()
@@ -129,7 +144,8 @@ def main() -> int:
             if rows is not None:
                 row = next(rows)
                 futures = [pool.submit(play_charclass, client, row=row, group=group, size=args.group_size,
-                                       max_tokens=args.max_tokens) for _ in range(args.group_size)]  # fmt: skip
+                                       max_tokens=args.max_tokens, chat=args.endpoint == "chat")
+                           for _ in range(args.group_size)]  # fmt: skip
                 what = row["prompt"]
             else:
                 secret = rng.randint(LOW, HIGH)
