@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from learner import meta_init
 from learner.losses import value_loss
 from learner.packing import MicroBatch, Sample, make_micro_batch, per_token, plan_micro_batches
 from learner.varlen_attention import cu_seqlens_kwargs
@@ -56,20 +57,27 @@ class ValueModel(torch.nn.Module):
         return self.value_head(hidden.reshape(-1, hidden.shape[-1])[index]).sum(-1).float()
 
 
-def load_value_model(cfg: TetherConfig, device: torch.device) -> ValueModel:
-    """The critic's body from ``critic.model_path`` (or ``model.path``) in float32 on CPU, plus a fresh head."""
+def load_value_model(cfg: TetherConfig, device: torch.device, *, meta: bool = False) -> ValueModel:
+    """The critic's body from ``critic.model_path`` (or ``model.path``) in float32 on CPU, plus a fresh head.
+
+    ``meta``: the body's parameters on the meta device, loaded shard by shard when it is sharded
+    (:mod:`learner.meta_init`); the head is real from the start (a fresh init, not in the checkpoint)."""
     from transformers import AutoModel
 
     from learner.parallelize import attn_implementation
 
-    body = AutoModel.from_pretrained(
-        cfg.critic.model_path or cfg.model.path,
-        dtype=torch.float32,
-        attn_implementation=attn_implementation(cfg, device),
-        trust_remote_code=cfg.model.trust_remote_code,
-    )
+    path = cfg.critic.model_path or cfg.model.path
+    kwargs = {
+        "dtype": torch.float32,
+        "attn_implementation": attn_implementation(cfg, device),
+        "trust_remote_code": cfg.model.trust_remote_code,
+    }
+    body = meta_init.build(path, auto_class=AutoModel, **kwargs) if meta else AutoModel.from_pretrained(path, **kwargs)
     body.config.use_cache = False
-    return ValueModel(body)
+    model = ValueModel(body)
+    if meta:
+        meta_init.mark(model, meta_init.pending(body))  # type: ignore[arg-type]
+    return model
 
 
 def critic_view(cfg: TetherConfig) -> TetherConfig:
@@ -215,4 +223,4 @@ def build_critic(cfg: TetherConfig, device: torch.device) -> Critic | None:
     if not cfg.algorithm.estimator.needs_critic:
         return None
     view = critic_view(cfg)
-    return Critic(cfg, parallelize(load_value_model(cfg, device), view, device), device=device)
+    return Critic(cfg, parallelize(load_value_model(cfg, device, meta=True), view, device), device=device)

@@ -49,7 +49,9 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
     except ImportError:
         raise RuntimeError("model.lora needs the peft package: pip install -e .[lora]") from None
     _check_tied(model, lora)
-    wrapped = get_peft_model(model, peft_config(lora))
+    config = peft_config(lora)
+    wrapped = get_peft_model(model, config)
+    _real_adapters(wrapped, config.init_lora_weights)
     if lora.dropout:
         # from_pretrained leaves the model in eval mode, where peft's dropout does nothing.
         for name, module in wrapped.named_modules():
@@ -59,6 +61,29 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
     log.info("lora_applied", rank=lora.rank, alpha=lora.alpha, trainable=trainable,
              total=sum(p.numel() for p in wrapped.parameters()))  # fmt: skip
     return wrapped
+
+
+def _real_adapters(model: torch.nn.Module, init: bool | str) -> None:
+    """On a base built on the meta device (:mod:`learner.meta_init`) peft puts the fresh adapters beside their
+    base layer, on meta too; they are not in the checkpoint, so they get real storage here and peft's own
+    init again, before sharding: every rank starts from the same adapters (B = 0), as from a loaded base."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        meta = False
+        for attr in module.adapter_layer_names:
+            for name, part in getattr(module, attr).items():
+                if isinstance(part, torch.nn.Module) and any(p.is_meta for p in part.parameters()):
+                    part.to_empty(device="cpu")
+                    meta = True
+                elif isinstance(part, torch.nn.Parameter) and part.is_meta:
+                    getattr(module, attr)[name] = torch.nn.Parameter(torch.empty_like(part, device="cpu"))
+                    meta = True
+        if meta:
+            for adapter in module.lora_A.keys() | module.lora_embedding_A.keys():
+                module.reset_lora_parameters(adapter, init)
 
 
 def _check_tied(model: torch.nn.Module, lora: LoraConfig) -> None:

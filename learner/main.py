@@ -67,8 +67,11 @@ def run(cfg: TetherConfig, *, resume: bool = False) -> int:
 def build_trainer(cfg: TetherConfig, device: torch.device) -> Trainer:
     """The actor (FSDP2), the frozen reference when the KL term or the estimator needs one, the critic when
     the estimator does."""
-    model = parallelize(load_actor(cfg, device), cfg, device)
-    ref = parallelize(load_model(cfg, device), cfg, device, trainable=False) if cfg.algorithm.uses_reference else None
+    # Built on the meta device: each rank loads only its own shards of model.path (learner.meta_init).
+    model = parallelize(load_actor(cfg, device, meta=True), cfg, device)
+    ref = None
+    if cfg.algorithm.uses_reference:
+        ref = parallelize(load_model(cfg, device, meta=True), cfg, device, trainable=False)
     critic = build_critic(cfg, device)  # PPO with GAE: a value model that never leaves the learner
     return Trainer(cfg, model, device=device, ref_model=ref, critic=critic)
 

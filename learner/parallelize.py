@@ -18,7 +18,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from learner import fused_head, lora, ulysses, varlen_attention
+from learner import fused_head, lora, meta_init, ulysses, varlen_attention
 from learner.attention_check import attention_path, check_flash, check_varlen_kernel
 from tether.config import TetherConfig
 from tether.logs import get_logger
@@ -77,25 +77,32 @@ def varlen_kernel(cfg: TetherConfig, device: torch.device) -> str:
     return check_varlen_kernel(cfg, runs=runs, device=str(device), torch_version=torch.__version__)
 
 
-def load_model(cfg: TetherConfig, device: torch.device) -> torch.nn.Module:
-    """The HF causal LM from ``model.path`` in float32 on CPU (sharding moves it to ``device``)."""
+def load_model(cfg: TetherConfig, device: torch.device, *, meta: bool = False) -> torch.nn.Module:
+    """The HF causal LM from ``model.path`` in float32 on CPU (sharding moves it to ``device``).
+
+    ``meta``: its parameters on the meta device instead, as the learner builds its models: :func:`parallelize`
+    then loads into each rank's shard only that rank's slices of the checkpoint (:mod:`learner.meta_init`), so
+    no rank ever holds the whole model."""
     from transformers import AutoModelForCausalLM
 
     if not cfg.model.path:
         raise ValueError("model.path is empty: point it at a local Hugging Face model folder")
-    model = AutoModelForCausalLM.from_pretrained(
-        cfg.model.path,
-        dtype=torch.float32,
-        attn_implementation=attn_implementation(cfg, device),
-        trust_remote_code=cfg.model.trust_remote_code,
-    )
+    kwargs = {
+        "dtype": torch.float32,
+        "attn_implementation": attn_implementation(cfg, device),
+        "trust_remote_code": cfg.model.trust_remote_code,
+    }
+    if meta:
+        model = meta_init.build(cfg.model.path, auto_class=AutoModelForCausalLM, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, **kwargs)
     model.config.use_cache = False
     return model
 
 
-def load_actor(cfg: TetherConfig, device: torch.device) -> torch.nn.Module:
+def load_actor(cfg: TetherConfig, device: torch.device, *, meta: bool = False) -> torch.nn.Module:
     """The policy: :func:`load_model`, wrapped with fresh LoRA adapters when ``model.lora`` is set."""
-    model = load_model(cfg, device)
+    model = load_model(cfg, device, meta=meta)
     return lora.apply_lora(model, cfg.model.lora) if cfg.model.lora is not None else model
 
 
@@ -149,7 +156,8 @@ def parallelize(
     trainable: bool = True,
     shard: bool | None = None,
 ) -> torch.nn.Module:
-    """Apply Liger, activation checkpointing and FSDP2 to ``model`` in place; returns it.
+    """Apply Liger, activation checkpointing and FSDP2 to ``model`` in place; returns it. A model built on the
+    meta device (``load_model(..., meta=True)``) gets its weights last, each rank its own shard.
 
     ``shard``: wrap with FSDP2 (an FSDPModule). By default only where it does something — a mesh of
     several ranks, or parameters offloaded to CPU. On one rank with nothing offloaded FSDP2 has nothing to
@@ -173,6 +181,7 @@ def parallelize(
     if lc.use_torch_compile:
         compile_blocks(model)
     offload = lc.cpu_offload and device.type == "cuda"
+    on_meta = meta_init.pending(model) is not None
     ranks = mesh.size() if mesh is not None else torch.distributed.get_world_size()
     if not (shard if shard is not None else ranks > 1 or offload or lc.shard_single_rank):
         return _unsharded(model, cfg, device, trainable=trainable)
@@ -181,7 +190,7 @@ def parallelize(
     kwargs: dict = {"mesh": mesh, "mp_policy": mixed_precision_policy(cfg, device)}
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    elif device.type == "cuda":
+    elif device.type == "cuda" and not on_meta:  # on meta, fully_shard moves the real tensors (buffers)
         model.to(device)
     blocks = decoder_blocks(model)
     for block in blocks:
@@ -191,6 +200,8 @@ def parallelize(
     if lc.forward_prefetch:
         for this, nxt in itertools.pairwise(blocks):
             this.set_modules_to_forward_prefetch([nxt])
+    if on_meta:  # sharded now: each rank reads its own slices (CPU-offloaded shards live on the CPU)
+        meta_init.materialize(model, torch.device("cpu") if offload else device)
     _freeze_unless(trainable, model)
     log.info(
         "model_sharded",
@@ -220,6 +231,8 @@ def _freeze_unless(trainable: bool, model: torch.nn.Module) -> None:
 
 def _unsharded(model: torch.nn.Module, cfg: TetherConfig, device: torch.device, *, trainable: bool) -> torch.nn.Module:
     """One rank, nothing offloaded: the plain module on ``device``, bf16 compute through autocast."""
+    if meta_init.pending(model) is not None:
+        meta_init.materialize(model, device)
     model.to(device)
     dtype = compute_dtype(cfg, device)
     if dtype != torch.float32:

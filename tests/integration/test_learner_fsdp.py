@@ -56,8 +56,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, scenario
     torch.manual_seed(0)
     cfg = _cfg(model_dir, overrides.get("learner"), overrides.get("algorithm"))
     dev = torch.device("cpu")
-    model = parallelize(load_model(cfg, dev), cfg, dev)
-    ref = parallelize(load_model(cfg, dev), cfg, dev, trainable=False) if cfg.algorithm.use_kl_loss else None
+    model = parallelize(load_model(cfg, dev, meta=True), cfg, dev)  # as the learner builds it (meta_init)
+    ref = parallelize(load_model(cfg, dev, meta=True), cfg, dev, trainable=False) if cfg.algorithm.use_kl_loss else None
     trainer = Trainer(cfg, model, device=dev, ref_model=ref)
     batches = [make_groups(4, 4, vocab=256, seed=s) for s in range(3)]
     if overrides.get("poison"):

@@ -45,7 +45,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 
     def actor() -> tuple[torch.nn.Module, Trainer]:
         torch.manual_seed(0)
-        model = parallelize(load_actor(cfg, dev), cfg, dev)
+        model = parallelize(load_actor(cfg, dev, meta=True), cfg, dev)  # as the learner builds it
         return model, Trainer(cfg, model, device=dev, ref_model=None)
 
     batches = [make_groups(4, 4, vocab=256, seed=s) for s in range(2)]

@@ -17,7 +17,7 @@ CHAT_TEMPLATE = (
     # makes as <tool_call>{"name": …, "arguments": {…}}</tool_call> (what rollout.openai's `hermes` parser reads).
     "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
     "{% endif %}# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
-    'Call one as <tool_call>{\"name\": <name>, \"arguments\": <object>}</tool_call><|im_end|>\n{% endif %}'
+    'Call one as <tool_call>{"name": <name>, "arguments": <object>}</tool_call><|im_end|>\n{% endif %}'
     "{% for message in messages %}{% if not (tools and loop.first and message['role'] == 'system') %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "{% for call in message.get('tool_calls') or [] %}<tool_call>"
