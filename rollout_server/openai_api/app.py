@@ -143,6 +143,38 @@ class Door:
                 yield
 
 
+class Guard:
+    """Pure ASGI middleware (Starlette's ``BaseHTTPMiddleware`` costs a task group and two memory streams a
+    request): the run's bearer token on every route but ``/health``; each answer counted by route and status
+    (``tether_rollout_requests{method="http:/v1/chat/completions", code="429"}``) and timed."""
+
+    def __init__(self, app: Any, *, state: ServerState, token: str) -> None:
+        self.app, self.state = app, state
+        self.expected = f"Bearer {token}".encode() if token else b""
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), [500]
+
+        async def send_counted(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        sent = dict(scope["headers"]).get(b"authorization", b"")
+        if self.expected and scope["path"] != "/health" and not hmac.compare_digest(sent, self.expected):
+            what = "missing 'Authorization: Bearer <token>'" if not sent else "wrong bearer token"
+            response = r.error(401, f"{what} (the run's token: rollout.auth_token / TETHER_AUTH_TOKEN)",
+                               code="invalid_api_key")  # fmt: skip
+            await response(scope, receive, send_counted)
+        else:
+            await self.app(scope, receive, send_counted)
+        route = f"http:{getattr(scope.get('route'), 'path', 'other')}"
+        self.state.metrics.requests.labels(route, str(status[0])).inc()
+        self.state.metrics.latency.labels(route).observe(time.perf_counter() - start)
+
+
 def build_app(state: ServerState, store: EpisodeStore) -> FastAPI:
     """The ASGI app; :mod:`rollout_server.openai_api.serve` runs it on the server's loop."""
     app = FastAPI(title="tether rollout server (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
@@ -150,26 +182,7 @@ def build_app(state: ServerState, store: EpisodeStore) -> FastAPI:
     token = auth_token(state.cfg.rollout.auth_token)
     app.state.door = door
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next: Any) -> Any:
-        """The run's bearer token on every route but ``/health``; each answer counted by route and status
-        (``tether_rollout_requests{method="http:/v1/chat/completions", code="429"}``)."""
-        start = time.perf_counter()
-        sent = request.headers.get("authorization", "")
-        if (
-            token
-            and request.url.path != "/health"
-            and not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode())
-        ):
-            what = "missing 'Authorization: Bearer <token>'" if not sent else "wrong bearer token"
-            response = r.error(401, f"{what} (the run's token: rollout.auth_token / TETHER_AUTH_TOKEN)",
-                               code="invalid_api_key")  # fmt: skip
-        else:
-            response = await call_next(request)
-        route = getattr(request.scope.get("route"), "path", "other")
-        state.metrics.requests.labels(f"http:{route}", str(response.status_code)).inc()
-        state.metrics.latency.labels(f"http:{route}").observe(time.perf_counter() - start)
-        return response
+    app.add_middleware(Guard, state=state, token=token)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -291,13 +304,15 @@ async def chat_completion(door: Door, body: ChatCompletionRequest, request: Requ
                 "tether": r.extension(s),
             }
             choices.append(choice)
-        return r.envelope(
-            "chat.completion",
-            rid,
-            door.model,
-            choices=choices,
-            usage=r.usage(len(context), samples),
-            tether=_turn_info(turn, len(context)),
+        return JSONResponse(
+            r.envelope(
+                "chat.completion",
+                rid,
+                door.model,
+                choices=choices,
+                usage=r.usage(len(context), samples),
+                tether=_turn_info(turn, len(context)),
+            )
         )
 
 
@@ -466,11 +481,13 @@ async def text_completion(door: Door, body: CompletionRequest, request: Request)
                     "tether": r.extension(x),
                 }
             )
-    return r.envelope(
-        "text_completion",
-        rid,
-        door.model,
-        choices=choices,
-        usage=r.usage(len(context), samples),
-        tether=_turn_info(turn, len(context)),
+    return JSONResponse(
+        r.envelope(
+            "text_completion",
+            rid,
+            door.model,
+            choices=choices,
+            usage=r.usage(len(context), samples),
+            tether=_turn_info(turn, len(context)),
+        )
     )
