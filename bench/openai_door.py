@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import figure, ordered, report
-from bench.rollout import RESULT, drive
+from bench.rollout import RESULT, Worker, drive
 
 CONCURRENCY = (1, 8, 64)
 MESSAGES = [[{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": f"Tell me about {i}."}]
@@ -99,37 +99,19 @@ async def load_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-class Load:
-    """The driver's handle on a load process."""
+class Load(Worker):
+    """The driver's handle on a load process (bench/rollout.py's, with this script's command line)."""
 
     def __init__(self, side: str, args: argparse.Namespace, *, address: str, base_url: str) -> None:
         cmd = [sys.executable, __file__, "--worker", side, "--max-tokens", str(args.max_tokens),
                "--address", address, "--base-url", base_url]  # fmt: skip
         self.side = side
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._answer()
+        self._answer()  # ready
 
-    def _answer(self) -> dict:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(RESULT):
-                return json.loads(line[len(RESULT) :])
-        raise RuntimeError(f"the {self.side} load process exited ({self.proc.wait()}) without answering")
-
-    def run(self, n: int, c: int) -> float:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"n": n, "c": c}) + "\n")
-        self.proc.stdin.flush()
-        out = self._answer()
-        return out["tokens"] / out["seconds"]
-
-    def close(self) -> None:
-        if self.proc.stdin:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+    def rate(self, n: int, c: int) -> float:
+        """Generated tokens/s of ``n`` requests from ``c`` clients."""
+        return self.run(n=n, c=c)["rate"]
 
 
 def start_server(model: str, max_tokens: int, tmp: Path, *, buffer: str = ""):  # type: ignore[no-untyped-def]
@@ -161,7 +143,7 @@ def http_vs_grpc(args: argparse.Namespace, model: str, repeats: int, tmp: Path) 
             rates: dict[str, list[float]] = {"grpc": [], "http": []}
             for _ in range(repeats):
                 for side in ordered(["grpc", "http"], turn):
-                    rates[side].append(loads[side].run(n, c))
+                    rates[side].append(loads[side].rate(n, c))
                 turn += 1
             rows.append((c, n, rates))
             print(f"  {c:>3} clients: gRPC {statistics.median(rates['grpc']):9.1f} tok/s, HTTP "

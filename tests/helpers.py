@@ -176,3 +176,46 @@ def read_groups(redis_url: str, run_id: str, n: int, *, attempts: int = 20) -> l
             break
     r.close()
     return [b.group for b in got]
+
+
+def scripted_engine(tokenizer, replies: list[list[int]], *, logprob: float = -0.5, version: int = 0):  # type: ignore[no-untyped-def]
+    """A stand-in :class:`~rollout_server.engines.base.Engine` for unit tests of what sits above an engine: turn
+    k answers with ``replies[k % len(replies)]`` in one chunk that ends on FINISH_STOP (each token with
+    ``logprob`` and ``version``) and keeps every context it was given in ``.seen``; nothing to load, pause or
+    abort."""
+    from rollout_server.engines.base import FINISH_STOP, Chunk, Engine
+
+    class Scripted(Engine):
+        name = "scripted"
+
+        def __init__(self) -> None:
+            self.tokenizer, self.max_model_len = tokenizer, 4096
+            self.replies = [list(r) for r in replies]
+            self.seen: list[list[int]] = []
+            self.is_paused = False
+
+        async def start(self) -> None:
+            pass
+
+        async def shutdown(self) -> None:
+            pass
+
+        async def stream(self, prompt_ids, spec, *, request_id):  # type: ignore[no-untyped-def,override]
+            reply = self.replies[len(self.seen) % len(self.replies)]
+            self.seen.append(list(prompt_ids))
+            yield Chunk(0, list(reply), [logprob] * len(reply), [version] * len(reply), FINISH_STOP)
+
+        async def abort(self, request_id: str) -> None:
+            pass
+
+        async def pause(self, inflight: str = "keep") -> None:  # type: ignore[override]
+            pass
+
+        async def resume(self) -> None:
+            pass
+
+        @property
+        def paused(self) -> bool:
+            return self.is_paused
+
+    return Scripted()

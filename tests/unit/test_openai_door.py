@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx2
 import pytest
 
-from rollout_server.engines.base import FINISH_STOP, Chunk, Engine, SamplingSpec
 from rollout_server.openai_api.tool_calls import parse_tool_calls, parser_for
+from tests.helpers import scripted_engine
 from tether.commands.tiny_model import CHAT_TEMPLATE, build_tokenizer
 from tether.prompts import encode_continuation
 
@@ -62,40 +61,10 @@ def test_auto_picks_the_parser_from_the_chat_template() -> None:
 
 
 # -- an Agents SDK agent against the app ---------------------------------------------------------------------
-class ScriptedEngine(Engine):
-    """Each call answers with the next scripted reply (its ids, ending on ``<|im_end|>``); keeps every context."""
-
-    name = "scripted"
-
-    def __init__(self, tokenizer: Any, replies: list[str]) -> None:
-        self.tokenizer, self.max_model_len = tokenizer, 4096
-        end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        self.replies = [[*encode_continuation(tokenizer, r), end] for r in replies]
-        self.seen: list[list[int]] = []
-
-    async def start(self) -> None:
-        pass
-
-    async def shutdown(self) -> None:
-        pass
-
-    async def stream(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
-        reply = self.replies[len(self.seen) % len(self.replies)]
-        self.seen.append(list(prompt_ids))
-        yield Chunk(0, list(reply), [-0.25] * len(reply), [7] * len(reply), FINISH_STOP)
-
-    async def abort(self, request_id: str) -> None:
-        pass
-
-    async def pause(self, inflight: str = "keep") -> None:
-        pass
-
-    async def resume(self) -> None:
-        pass
-
-    @property
-    def paused(self) -> bool:
-        return False
+def replies_of(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Each reply's ids, ending on ``<|im_end|>`` as the tiny model's turns do."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return [[*encode_continuation(tokenizer, t), end] for t in texts]
 
 
 def _door(replies: list[str], redis_url: str):  # type: ignore[no-untyped-def]
@@ -106,7 +75,8 @@ def _door(replies: list[str], redis_url: str):  # type: ignore[no-untyped-def]
     from rollout_server.state import ServerState
     from tether.config import TetherConfig
 
-    engine = ScriptedEngine(build_tokenizer(), replies)
+    tok = build_tokenizer()
+    engine = scripted_engine(tok, replies_of(tok, replies), logprob=-0.25, version=7)
     cfg = TetherConfig.model_validate({"run": {"run_id": "door-unit"}, "buffer": {"redis_url": redis_url}})
     state = ServerState(cfg=cfg, engine=engine, server_id="s", metrics=ServerMetrics("s"), sink=BufferSink(cfg, "s"))
     store = EpisodeStore(state)
@@ -168,22 +138,20 @@ async def test_a_malformed_call_comes_back_as_text_and_is_counted(redis_url: str
     await asyncio.to_thread(state.sink.close)
 
 
-class HeldEngine(ScriptedEngine):
-    """Holds every generation until ``release`` is set; ``paused`` as the test says."""
+def held_engine():  # type: ignore[no-untyped-def]
+    """A scripted engine whose generations wait until its ``release`` event is set."""
+    tok = build_tokenizer()
+    engine = scripted_engine(tok, replies_of(tok, ["ok"]))
+    engine.release = asyncio.Event()
+    scripted = type(engine).stream
 
-    def __init__(self, tokenizer: Any) -> None:
-        super().__init__(tokenizer, ["ok"])
-        self.release = asyncio.Event()
-        self.is_paused = False
-
-    async def stream(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
+    async def stream(self, prompt_ids, spec, *, request_id):  # type: ignore[no-untyped-def]
         await self.release.wait()
-        async for c in super().stream(prompt_ids, spec, request_id=request_id):
+        async for c in scripted(self, prompt_ids, spec, request_id=request_id):
             yield c
 
-    @property
-    def paused(self) -> bool:
-        return self.is_paused
+    type(engine).stream = stream
+    return engine
 
 
 async def test_over_capacity_is_429_and_a_long_pause_is_503(redis_url: str) -> None:
@@ -195,7 +163,7 @@ async def test_over_capacity_is_429_and_a_long_pause_is_503(redis_url: str) -> N
     from rollout_server.state import ServerState
     from tether.config import TetherConfig
 
-    engine = HeldEngine(build_tokenizer())
+    engine = held_engine()
     cfg = TetherConfig.model_validate({"rollout": {"max_concurrent_requests": 1, "openai": {"pause_wait_s": 0.2}}})
     state = ServerState(cfg=cfg, engine=engine, server_id="s", metrics=ServerMetrics("s"))
     client = _client(build_app(state, EpisodeStore(state)), "")

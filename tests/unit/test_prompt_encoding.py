@@ -12,7 +12,7 @@ No hub: each family's tokenizer is built here with its real class and the specia
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from learner.rows import RowFormat
-from rollout_server.engines.base import FINISH_STOP, Chunk, Engine, SamplingSpec
 from rollout_server.validation import encode, prompt_ids
+from tests.helpers import scripted_engine
 from tether.client import generate_request, open_episode_request
 from tether.config import TetherConfig
 from tether.prompts import count_prompt_tokens, encode_chat, encode_continuation, encode_prompt, prompt_prefix
@@ -207,39 +207,6 @@ def test_left_truncation_keeps_the_bos(folders: dict[str, Path]) -> None:
         assert prompt.token_ids[0] == tok.bos_token_id
 
 
-class ScriptedEngine(Engine):
-    """Answers every turn with the same reply, ending on a stop token, and keeps each context it was given."""
-
-    name = "scripted"
-
-    def __init__(self, tokenizer: Any, reply: list[int]) -> None:
-        self.tokenizer, self.reply, self.max_model_len = tokenizer, reply, 4096
-        self.seen: list[list[int]] = []
-
-    async def start(self) -> None:
-        pass
-
-    async def shutdown(self) -> None:
-        pass
-
-    async def stream(self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str) -> AsyncIterator[Chunk]:
-        self.seen.append(list(prompt_ids))
-        yield Chunk(0, list(self.reply), [-0.5] * len(self.reply), [0] * len(self.reply), FINISH_STOP)
-
-    async def abort(self, request_id: str) -> None:
-        pass
-
-    async def pause(self, inflight: str = "keep") -> None:
-        pass
-
-    async def resume(self) -> None:
-        pass
-
-    @property
-    def paused(self) -> bool:
-        return False
-
-
 @pytest.mark.parametrize("kind", ["text", "messages"])
 async def test_an_episode_has_one_bos_at_its_start_and_none_in_the_middle(kind: str, redis_url: str) -> None:
     """Gemma's multi-turn episode: the opening prompt is a prompt (one ``<bos>``), every observation continues it;
@@ -253,7 +220,7 @@ async def test_an_episode_has_one_bos_at_its_start_and_none_in_the_middle(kind: 
 
     tok = gemma()
     end_of_turn = tok.convert_tokens_to_ids("<end_of_turn>")
-    engine = ScriptedEngine(tok, [*encode_continuation(tok, "42"), end_of_turn])
+    engine = scripted_engine(tok, [[*encode_continuation(tok, "42"), end_of_turn]])
     cfg = TetherConfig.model_validate({"run": {"run_id": "prompts"}, "buffer": {"redis_url": redis_url}})
     sink = BufferSink(cfg, "s")
     try:
@@ -266,9 +233,9 @@ async def test_an_episode_has_one_bos_at_its_start_and_none_in_the_middle(kind: 
         await store.step(rollout_pb2.StepRequest(episode_id=opened.episode_id, observation="Hello again"))
         assert engine.seen[0] == first
         context = engine.seen[1]
-        assert context[: len(first) + len(engine.reply)] == first + engine.reply
+        assert context[: len(first) + len(engine.replies[0])] == first + engine.replies[0]
         assert context.count(tok.bos_token_id) == 1 and context[0] == tok.bos_token_id
-        observation = context[len(first) + len(engine.reply) :]
+        observation = context[len(first) + len(engine.replies[0]) :]
         if kind == "text":
             assert observation == encode_continuation(tok, "Hello again")
         else:  # the template's close of the model's turn (less the <end_of_turn> it stopped on), the new turn
