@@ -120,7 +120,8 @@ class EpisodeStore:
     def __len__(self) -> int:
         return len(self._episodes)
 
-    def _get(self, episode_id: str) -> Episode:
+    def get(self, episode_id: str) -> Episode:
+        """The live episode ``episode_id`` (NOT_FOUND when unknown, closed or idle past the timeout); a use of it."""
         ep = self._episodes.get(episode_id)
         if ep is not None and time.monotonic() - ep.last_used > self.timeout_s:
             ep = None  # the sweeper removes it, and dead-letters what it held
@@ -186,7 +187,7 @@ class EpisodeStore:
     def lookup(self, episode_id: str) -> Episode | None:
         """The live episode ``episode_id``, or None (never opened, closed, or idle past the timeout)."""
         try:
-            return self._get(episode_id)
+            return self.get(episode_id)
         except BadRequest:
             return None
 
@@ -219,7 +220,7 @@ class EpisodeStore:
         return chat_continuation(tok, ep, [message])
 
     async def step(self, req: rollout_pb2.StepRequest) -> rollout_pb2.StepResponse:
-        ep = self._get(req.episode_id)
+        ep = self.get(req.episode_id)
         async with ep.lock:
             if req.observation:
                 self.observe(ep, self._observation_ids(ep, req))
@@ -277,7 +278,7 @@ class EpisodeStore:
         ]:
             if not math.isfinite(value):
                 raise BadRequest(f"close: {name} is {value}; rewards must be finite")
-        ep = self._get(req.episode_id)
+        ep = self.get(req.episode_id)
         async with ep.lock:
             if not any(ep.mask):
                 raise BadRequest(

@@ -65,6 +65,7 @@ class Door:
         self.store = store
         self.sessions = ChatSessions(store)
         self.model = served_model_name(state)
+        self.reward: Any = None  # the run's reward, built at the first episode the server scores
         self.parser = parser_for(
             getattr(state.engine.tokenizer, "chat_template", None), state.cfg.rollout.openai.tool_call_parser
         )
@@ -133,6 +134,37 @@ class Door:
             raise HttpError(r.error(400, f"group size: {size!r} is not a positive integer", param=GROUP_SIZE_HEADER))
         return {"name": name, "group_id": group, "group_size": int(size), "metadata": meta}
 
+    async def score(self, episode_id: str, context: dict[str, str]) -> tuple[float, dict[str, float]]:
+        """The run's reward (``rollout.reward``: a rule, a reward service, routing by source) on the episode's
+        transcript: the prompt as text and everything after it — model turns and what the agent added — as the
+        completion, with the agent's ``reward_context`` (e.g. ``{"answer": "42"}``)."""
+        from rollout_server.rewards import RewardError, ScoreItem, build_reward
+
+        ep = self.store.get(episode_id)
+        if self.reward is None:
+            self.reward = build_reward(self.state.cfg)
+        tok = self.state.engine.tokenizer
+        item = ScoreItem(
+            prompt=tok.decode(ep.prompt_ids, skip_special_tokens=True),
+            completion=tok.decode(ep.tokens, skip_special_tokens=True),
+            prompt_token_ids=ep.prompt_ids,
+            completion_token_ids=ep.tokens,
+            reward_context=context,
+            trajectory_id=episode_id,
+        )
+        try:
+            ((reward, components),) = await self.reward.score([item])
+        except RewardError as e:
+            raise HttpError(
+                r.error(
+                    503,
+                    f"the run's reward (rollout.reward) failed: {e}; the episode is still "
+                    "open: retry, or send the reward yourself",
+                    headers={"Retry-After": "1"},
+                )
+            ) from None
+        return float(reward), dict(components)
+
     @contextlib.asynccontextmanager
     async def admitted(self, name: str | None) -> AsyncIterator[None]:
         """Admission, then the episode's lock (one turn at a time)."""
@@ -165,8 +197,9 @@ class Guard:
         sent = dict(scope["headers"]).get(b"authorization", b"")
         if self.expected and scope["path"] != "/health" and not hmac.compare_digest(sent, self.expected):
             what = "missing 'Authorization: Bearer <token>'" if not sent else "wrong bearer token"
-            response = r.error(401, f"{what} (the run's token: rollout.auth_token / TETHER_AUTH_TOKEN)",
-                               code="invalid_api_key")  # fmt: skip
+            response = r.error(
+                401, f"{what} (the run's token: rollout.auth_token / TETHER_AUTH_TOKEN)", code="invalid_api_key"
+            )
             await response(scope, receive, send_counted)
         else:
             await self.app(scope, receive, send_counted)
@@ -231,12 +264,17 @@ def build_app(state: ServerState, store: EpisodeStore) -> FastAPI:
 
     @app.post("/v1/episodes/{episode_id}/reward")
     async def _reward(episode_id: str, body: RewardRequest) -> dict[str, Any]:
-        close = rollout_pb2.CloseEpisodeRequest(
-            episode_id=episode_id, reward=body.reward, reward_components=body.reward_components, metadata=body.metadata
-        )
         async with door.sessions.lock(episode_id):
+            reward, components = body.reward, dict(body.reward_components)
+            if reward is None:  # scored here, by the run's reward, on the episode's transcript
+                reward, scored = await door.score(episode_id, body.reward_context)
+                components = {**scored, **components}
+            close = rollout_pb2.CloseEpisodeRequest(
+                episode_id=episode_id, reward=reward, reward_components=components, metadata=body.metadata
+            )
             out = await store.close(close)
         return {
+            "reward": reward,
             "episode_id": episode_id,
             "trajectory_id": out.trajectory_id,
             "group_id": out.group_id,

@@ -147,6 +147,9 @@ class CompletionRequest(_Sampling):
 
 
 class RewardRequest(_Body):
-    reward: float
+    reward: float | None = None
+    """The agent's reward; left out, the run's reward (``rollout.reward``) scores the transcript."""
+    reward_context: dict[str, str] = Field(default_factory=dict)
+    """What the run's reward reads beside the text (e.g. ``{"answer": "42"}``), when it scores."""
     reward_components: dict[str, float] = Field(default_factory=dict)
     metadata: dict[str, str] = Field(default_factory=dict)

@@ -213,3 +213,23 @@ async def test_an_episode_nobody_closes_is_dead_lettered_with_its_reason(redis_u
     r.close()
     await client.close()
     await asyncio.to_thread(state.sink.close)
+
+
+async def test_an_episode_closed_without_a_reward_is_scored_by_the_run_s_reward(redis_url: str) -> None:
+    """rollout.reward (here the demo's charclass rule) scores the transcript after the prompt, with the agent's
+    reward_context; the trajectory carries that reward."""
+    from tests.helpers import read_groups
+
+    app, _engine, state, _store = _door(["123ab"], redis_url)  # 3 of the 5 characters are digits
+    client = _client(app, "scored")
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "digits:"}])
+    out = await client.post("/episodes/scored/reward", body={"reward_context": {"answer": "digits"}}, cast_to=object)
+    assert out["reward"] == pytest.approx(3 / 5) and out["group_written"]
+    (group,) = await asyncio.to_thread(read_groups, redis_url, "door-unit", 1)
+    assert group.trajectories[0].reward == pytest.approx(3 / 5)
+    import openai
+
+    with pytest.raises(openai.NotFoundError):  # closed: there is nothing left to score
+        await client.post("/episodes/scored/reward", body={}, cast_to=object)
+    await client.close()
+    await asyncio.to_thread(state.sink.close)
