@@ -404,6 +404,7 @@ async def _chat_stream(
     engine = door.state.engine
     samples = [Sample() for _ in range(spec.n)]
     texts = [IncrementalText(engine.tokenizer) for _ in range(spec.n)]
+    holds = [r.StopHold(spec.stop) for _ in range(spec.n)]
     finished = False
     ends: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
     try:
@@ -423,7 +424,9 @@ async def _chat_stream(
                 s.token_ids += c.token_ids
                 s.logprobs += c.logprobs
                 s.versions += c.versions
-                delta = texts[c.index].push(c.token_ids, final=bool(c.finish_reason))
+                delta = holds[c.index].push(
+                    texts[c.index].push(c.token_ids, final=bool(c.finish_reason)), final=bool(c.finish_reason)
+                )
                 piece = {"token_ids": c.token_ids, "logprobs": c.logprobs, "policy_versions": c.versions}
                 if c.finish_reason:  # goes out with the sample's finish_reason, below
                     s.finish_reason = c.finish_reason

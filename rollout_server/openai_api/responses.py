@@ -48,6 +48,26 @@ def cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
     return text[: min(cuts)] if cuts else text
 
 
+class StopHold:
+    """A streamed reply's text with OpenAI's stop semantics: text that may be the start of a stop string is held
+    back until the next piece says whether it is; from a stop string on nothing more is sent."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops, self.held, self.stopped = stops, "", False
+
+    def push(self, piece: str, *, final: bool) -> str:
+        if self.stopped:
+            return ""
+        text = self.held + piece
+        cut = cut_at_stop(text, self.stops)
+        if len(cut) < len(text):
+            self.stopped, self.held = True, ""
+            return cut
+        keep = 0 if final else max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        self.held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
+
+
 def extension(sample: Sample) -> dict[str, Any]:
     return {"token_ids": sample.token_ids, "logprobs": sample.logprobs, "policy_versions": sample.versions}
 

@@ -233,3 +233,15 @@ async def test_an_episode_closed_without_a_reward_is_scored_by_the_run_s_reward(
         await client.post("/episodes/scored/reward", body={}, cast_to=object)
     await client.close()
     await asyncio.to_thread(state.sink.close)
+
+
+def test_a_streamed_reply_stops_at_a_stop_string_split_across_pieces() -> None:
+    from rollout_server.openai_api.responses import StopHold
+
+    hold = StopHold(("END",))
+    pieces = ["hello E", "N", "D tail", " more"]
+    sent = [hold.push(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    assert "".join(sent) == "hello " and sent[0] == "hello "  # "E" held until "ND" said it was the stop
+    plain = StopHold(("END",))
+    assert "".join(plain.push(p, final=f) for p, f in [("an E", False), ("xit", True)]) == "an Exit"
+    assert StopHold(()).push("abc", final=False) == "abc"
