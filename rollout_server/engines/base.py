@@ -76,6 +76,14 @@ class Sample:
     finish_reason: int = 0
     text: str = ""
 
+    def add(self, chunk: Chunk) -> None:
+        """Append one streamed chunk of this sample (its finish reason, once it has one)."""
+        self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs
+        self.versions += chunk.versions
+        if chunk.finish_reason:
+            self.finish_reason = chunk.finish_reason
+
 
 class Engine(abc.ABC):
     """A generation backend. ``policy_version`` is set by weight sync after a load."""
@@ -172,12 +180,7 @@ class Engine(abc.ABC):
         agen = self._stream_whole(prompt_ids, spec, request_id=rid)
         try:
             async for chunk in agen:
-                s = samples[chunk.index]
-                s.token_ids += chunk.token_ids
-                s.logprobs += chunk.logprobs
-                s.versions += chunk.versions
-                if chunk.finish_reason:
-                    s.finish_reason = chunk.finish_reason
+                samples[chunk.index].add(chunk)
         except asyncio.CancelledError:
             await self.abort(rid)
             raise

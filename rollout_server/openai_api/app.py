@@ -342,20 +342,32 @@ async def chat_completion(door: Door, body: ChatCompletionRequest, request: Requ
                 "tether": r.extension(s),
             }
             choices.append(choice)
-        return JSONResponse(
-            r.envelope(
-                "chat.completion",
-                rid,
-                door.model,
-                choices=choices,
-                usage=r.usage(len(context), samples),
-                tether=_turn_info(turn, len(context)),
-            )
-        )
+        return _whole("chat.completion", rid, door, choices, context, samples, turn)
+
+
+def _whole(
+    kind: str,
+    rid: str,
+    door: Door,
+    choices: list[dict[str, Any]],
+    context: list[int],
+    samples: list[Sample],
+    turn: Turn | None,
+) -> JSONResponse:
+    """A whole (not streamed) completion's body, returned as is (no ``jsonable_encoder`` pass over it)."""
+    body = r.envelope(
+        kind,
+        rid,
+        door.model,
+        choices=choices,
+        usage=r.usage(len(context), samples),
+        tether=_turn_info(turn, len(context)),
+    )
+    return JSONResponse(body)
 
 
 def _reply(door: Door, s: Sample, spec: SamplingSpec, parser: str) -> tuple[str | None, list[dict[str, Any]]]:
-    text = r.cut_at_stop(s.text, spec.stop) if spec.stop else s.text
+    text = r.cut_at_stop(s.text, spec.stop)
     parsed = parse_tool_calls(text, parser)  # type: ignore[arg-type]
     if parsed.malformed:
         door.state.metrics.tool_calls_malformed.inc()
@@ -420,16 +432,12 @@ async def _chat_stream(
         agen = engine.stream(context, spec, request_id=rid)
         try:
             async for c in agen:
-                s = samples[c.index]
-                s.token_ids += c.token_ids
-                s.logprobs += c.logprobs
-                s.versions += c.versions
+                samples[c.index].add(c)
                 delta = holds[c.index].push(
                     texts[c.index].push(c.token_ids, final=bool(c.finish_reason)), final=bool(c.finish_reason)
                 )
                 piece = {"token_ids": c.token_ids, "logprobs": c.logprobs, "policy_versions": c.versions}
                 if c.finish_reason:  # goes out with the sample's finish_reason, below
-                    s.finish_reason = c.finish_reason
                     ends[c.index] = ({"content": delta} if delta else {}), piece
                 elif parser == "none":
                     choice = {
@@ -506,12 +514,12 @@ async def text_completion(door: Door, body: CompletionRequest, request: Request)
         samples = await _generate(door, context, spec, rid, turn)
         choices = []
         for i, x in enumerate(samples):
-            text = r.cut_at_stop(x.text, spec.stop) if spec.stop else x.text
+            text = r.cut_at_stop(x.text, spec.stop)
             if turn is not None:
                 door.sessions.commit(turn, x, text)
             logprobs = None
             if body.logprobs is not None:
-                tokens = [s.engine.tokenizer.decode([t], skip_special_tokens=False) for t in x.token_ids]
+                tokens = r.token_texts(s.engine.tokenizer, x.token_ids)
                 logprobs = {"tokens": tokens, "token_logprobs": x.logprobs, "top_logprobs": None, "text_offset": None}
             choices.append(
                 {
@@ -522,13 +530,4 @@ async def text_completion(door: Door, body: CompletionRequest, request: Request)
                     "tether": r.extension(x),
                 }
             )
-    return JSONResponse(
-        r.envelope(
-            "text_completion",
-            rid,
-            door.model,
-            choices=choices,
-            usage=r.usage(len(context), samples),
-            tether=_turn_info(turn, len(context)),
-        )
-    )
+    return _whole("text_completion", rid, door, choices, context, samples, turn)

@@ -72,13 +72,17 @@ def extension(sample: Sample) -> dict[str, Any]:
     return {"token_ids": sample.token_ids, "logprobs": sample.logprobs, "policy_versions": sample.versions}
 
 
+def token_texts(tokenizer: Any, ids: list[int]) -> list[str]:
+    """Each sampled token's own text (special tokens spelled out): what OpenAI's log-prob entries name."""
+    return [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+
+
 def token_logprobs(tokenizer: Any, sample: Sample) -> list[dict[str, Any]]:
     """OpenAI's ``logprobs.content``: each sampled token with its log-prob (no alternatives)."""
-    out = []
-    for tid, lp in zip(sample.token_ids, sample.logprobs, strict=True):
-        text = tokenizer.decode([tid], skip_special_tokens=False)
-        out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
-    return out
+    return [
+        {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+        for text, lp in zip(token_texts(tokenizer, sample.token_ids), sample.logprobs, strict=True)
+    ]
 
 
 def usage(prompt_tokens: int, samples: list[Sample]) -> dict[str, int]:

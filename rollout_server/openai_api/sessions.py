@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,23 +109,21 @@ class ChatSessions:
         shown = ep.seen[0] if ep is not None and ep.seen else None
         if ep is not None and shown is not None and prompt.startswith(shown):
             _check_temperature(ep, spec)
-            undo = Mark(len(ep.seen), len(ep.tokens), 0, ep.last_turn_stopped)
-            self.store.observe(ep, encode_continuation(self.tokenizer, prompt[len(shown) :]))
-            try:
-                context, spec = self.store.next_turn(ep, spec)
-            except BaseException:
-                self.store.rewind(ep, undo)
-                raise
-            return Turn(ep, context, spec, [prompt], undo, branched=False)
-        dropped = -1
-        if ep is not None:
-            dropped = len(ep.tokens)
-            self.store.discard(name)
-        s = self.store.state
-        ids = check_length(encode_prompt(self.tokenizer, prompt), s.cfg.rollout, max_model_len=s.engine.max_model_len)
-        ep = self.store.create(name, ids, spec, None, group_id, group_size, metadata)
-        context, spec = self.store.next_turn(ep, spec)
-        return Turn(ep, context, spec, [prompt], None, branched=dropped >= 0, dropped_tokens=max(dropped, 0))
+            rest = prompt[len(shown) :]
+            return self._extend(ep, lambda: encode_continuation(self.tokenizer, rest), [prompt], spec, branched=False)
+        dropped = self._drop(ep)
+        return self._open(
+            name,
+            encode_prompt(self.tokenizer, prompt),
+            None,
+            None,
+            [prompt],
+            spec,
+            dropped=dropped,
+            group_id=group_id,
+            group_size=group_size,
+            metadata=metadata,
+        )
 
     @property
     def tokenizer(self) -> Any:
@@ -157,28 +156,64 @@ class ChatSessions:
                 turn = self._continue(ep, messages[mark.seen :], seen, spec, branched=True)
                 turn.dropped_tokens = dropped
                 return turn
-            dropped = len(ep.tokens)
-            self.store.discard(name)
-        else:
-            dropped = -1
-        ids = encode_prompt(
-            self.tokenizer, render_chat(self.tokenizer, [template_message(m) for m in messages], tools=tools)
+        dropped = self._drop(ep)
+        chat = [template_message(m) for m in messages]
+        ids = encode_prompt(self.tokenizer, render_chat(self.tokenizer, chat, tools=tools))
+        return self._open(
+            name,
+            ids,
+            chat,
+            tools,
+            seen,
+            spec,
+            dropped=dropped,
+            group_id=group_id,
+            group_size=group_size,
+            metadata=metadata,
         )
+
+    def _drop(self, ep: Episode | None) -> int | None:
+        """Discard ``ep``, the record a fresh start replaces; the tokens it held (None: there was none)."""
+        if ep is None:
+            return None
+        self.store.discard(ep.id)
+        return len(ep.tokens)
+
+    def _open(
+        self,
+        name: str,
+        ids: list[int],
+        chat: list[dict[str, Any]] | None,
+        tools: list[dict[str, Any]] | None,
+        seen: list,
+        spec: SamplingSpec,
+        *,
+        dropped: int | None,
+        group_id: str,
+        group_size: int,
+        metadata: dict[str, str],
+    ) -> Turn:
+        """A new record for episode ``name`` whose prompt is ``ids`` (a branch when it replaces one)."""
         s = self.store.state
         check_length(ids, s.cfg.rollout, max_model_len=s.engine.max_model_len)
-        ep = self.store.create(
-            name, ids, spec, [template_message(m) for m in messages], group_id, group_size, metadata, tools=tools
-        )
+        ep = self.store.create(name, ids, spec, chat, group_id, group_size, metadata, tools=tools)
         context, spec = self.store.next_turn(ep, spec)
-        return Turn(ep, context, spec, seen, None, branched=dropped >= 0, dropped_tokens=max(dropped, 0))
+        return Turn(ep, context, spec, seen, None, branched=dropped is not None, dropped_tokens=dropped or 0)
 
     def _continue(
         self, ep: Episode, new: list[ChatMessage], seen: list[tuple], spec: SamplingSpec, *, branched: bool
     ) -> Turn:
+        chat = [template_message(m) for m in new]
+        return self._extend(ep, lambda: chat_continuation(self.tokenizer, ep, chat), seen, spec, branched=branched)
+
+    def _extend(
+        self, ep: Episode, ids_of: Callable[[], list[int]], seen: list, spec: SamplingSpec, *, branched: bool
+    ) -> Turn:
+        """The record continued by ``ids_of()`` as environment tokens; put back as it was if that or the room
+        check fails."""
         undo = Mark(len(ep.seen), len(ep.tokens), len(ep.messages or ()), ep.last_turn_stopped)
-        ep.seen = ep.seen[: undo.seen]
         try:
-            self.store.observe(ep, chat_continuation(self.tokenizer, ep, [template_message(m) for m in new]))
+            self.store.observe(ep, ids_of())
             context, spec = self.store.next_turn(ep, spec)
         except BaseException:
             self.store.rewind(ep, undo)

@@ -48,26 +48,32 @@ def start_up(cfg: Path) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
 
-@pytest.mark.slow
-def test_environment_episodes_are_trained_on(tmp_path: Path, tiny_model_dir: Path) -> None:
-    port = free_port()
-    # no prompt workers: every group the learner gets comes from the environment's episodes
-    cfg = config(tmp_path, tiny_model_dir, run_id="env", rollout={"port": port, "prompt_workers": 0}, learner={})
+def train_on_a_client(tmp_path: Path, model: Path, *, run_id: str, rollout: dict, client: list[str],
+                      says: str) -> None:  # fmt: skip
+    """``tether up`` with no prompt workers (every group the learner gets comes from the client's episodes), the
+    example ``client`` run to its end (its output says ``says``); the learner trains 2 steps on exactly the 4
+    groups the client wrote."""
+    cfg = config(tmp_path, model, run_id=run_id, rollout={**rollout, "prompt_workers": 0}, learner={})
     up = start_up(cfg)
     try:
-        env = subprocess.run(
-            [sys.executable, "examples/guessing_game.py", "--server", f"127.0.0.1:{port}", "--tasks", "4",
-             "--group-size", "3", "--max-turns", "3"],
-            cwd=REPO, capture_output=True, text=True, timeout=420,
-        )  # fmt: skip
-        assert env.returncode == 0, env.stdout + env.stderr
-        assert "episodes 12, groups written 4" in env.stdout
-        rows, stats = finished_run(up, tmp_path / "runs" / "env")
+        out = subprocess.run([sys.executable, *client, "--tasks", "4", "--group-size", "3", "--max-turns", "3"],
+                             cwd=REPO, capture_output=True, text=True, timeout=420)  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert says in out.stdout
+        rows, stats = finished_run(up, tmp_path / "runs" / run_id)
     finally:
         up.kill()
     assert [r["step"] for r in rows] == [1, 2]
     assert sum(r["data/groups"] for r in rows) == 4 == stats["buffer/acknowledged"]
     assert stats["buffer/produced"] == 4 and stats["buffer/dead_letter"] == 0
+
+
+@pytest.mark.slow
+def test_environment_episodes_are_trained_on(tmp_path: Path, tiny_model_dir: Path) -> None:
+    port = free_port()
+    train_on_a_client(tmp_path, tiny_model_dir, run_id="env", rollout={"port": port},
+                      client=["examples/guessing_game.py", "--server", f"127.0.0.1:{port}"],
+                      says="episodes 12, groups written 4")  # fmt: skip
 
 
 @pytest.mark.slow
@@ -75,23 +81,9 @@ def test_an_openai_agent_s_episodes_are_trained_on(tmp_path: Path, tiny_model_di
     """examples/openai_agent.py, written against the OpenAI API, plays through the rollout server's door; the
     learner trains on exactly its groups."""
     port = free_port()
-    cfg = config(tmp_path, tiny_model_dir, run_id="agent", rollout={"openai": {"port": port}, "prompt_workers": 0},
-                 learner={})  # fmt: skip
-    up = start_up(cfg)
-    try:
-        agent = subprocess.run(
-            [sys.executable, "examples/openai_agent.py", "--base-url", f"http://127.0.0.1:{port}/v1", "--tasks", "4",
-             "--group-size", "3", "--max-turns", "3"],
-            cwd=REPO, capture_output=True, text=True, timeout=420,
-        )  # fmt: skip
-        assert agent.returncode == 0, agent.stdout + agent.stderr
-        assert "episodes 12," in agent.stdout
-        rows, stats = finished_run(up, tmp_path / "runs" / "agent")
-    finally:
-        up.kill()
-    assert [r["step"] for r in rows] == [1, 2]
-    assert sum(r["data/groups"] for r in rows) == 4 == stats["buffer/acknowledged"]
-    assert stats["buffer/produced"] == 4 and stats["buffer/dead_letter"] == 0
+    train_on_a_client(tmp_path, tiny_model_dir, run_id="agent", rollout={"openai": {"port": port}},
+                      client=["examples/openai_agent.py", "--base-url", f"http://127.0.0.1:{port}/v1"],
+                      says="episodes 12,")  # fmt: skip
 
 
 @pytest.mark.slow
