@@ -137,7 +137,7 @@ check-protos: install
 # appends its figures (ratio against a baseline of the same run, spread over >= 3 repeats, goal) to
 # bench/results.jsonl; bench/report.py turns them into bench/results.json and bench/results.md, the table in
 # docs/BENCHMARKS.md. One of them: make bench BENCH=vs_trl; a smoke run: make bench BENCH_ARGS=--quick.
-BENCH ?= overlap learner learner_step real_model buffer weight_sync rollout openai_door load vs_trl learning fleet_local ulysses lora dataset_stream reward_model
+BENCH ?= overlap length_bias learner learner_step real_model buffer weight_sync rollout openai_door load vs_trl learning fleet_local ulysses lora dataset_stream reward_model
 BENCH_ARGS ?=
 BENCH_RESULTS := bench/results.jsonl
 bench: install-bench

@@ -3,10 +3,11 @@
 
 A trajectories-stream entry is a small header: ``g`` (group id), ``v`` (the oldest policy version, so a
 stale group is dropped without fetching or parsing its payload), ``n`` (payload bytes, so the byte bound
-is kept without reading the payload back), ``c`` (the codec) and ``k`` (the nonce of the payload key,
-:meth:`buffer.keys.RedisKeys.payload`). The payload lives in that key, not in the entry, so the insert
-script never carries it (see :mod:`buffer.scripts`); an entry written by hand may still carry it inline
-as ``d``, and is read the same way.
+is kept without reading the payload back), ``c`` (the codec), ``k`` (the nonce of the payload key,
+:meth:`buffer.keys.RedisKeys.payload`) and ``l`` (its completions' lengths, bucketed: :mod:`buffer.lengths`,
+so whatever the entry ends in is booked by length without its payload). The payload lives in that key,
+not in the entry, so the insert script never carries it (see :mod:`buffer.scripts`); an entry written by
+hand may still carry it inline as ``d``, and is read the same way.
 
 One codec writes a group, wherever it travels: the columnar group of :mod:`buffer.columnar` (codec
 ``col``: a JSON header and the group's per-token arrays concatenated, decoded into numpy views without
@@ -27,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from buffer.columnar import decode_columnar, encode_columnar
+from buffer.lengths import encode_counts
 from buffer.wire import decode_group_checked
 from tether.trajectory import GroupData, InvalidTrajectory
 
@@ -45,7 +47,7 @@ _DECODERS = {  # codec -> (decoder, zlib-compressed)
 # than let a hostile or corrupt payload inflate without bound (a "zip bomb").
 MAX_DECODED_BYTES = 2**31 - 1
 
-F_GROUP, F_VERSION, F_CODEC, F_BYTES, F_NONCE, F_DATA = b"g", b"v", b"c", b"n", b"k", b"d"
+F_GROUP, F_VERSION, F_CODEC, F_BYTES, F_NONCE, F_DATA, F_LENGTHS = b"g", b"v", b"c", b"n", b"k", b"d", b"l"
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class Encoded:
     payload: bytes
     oldest_version: int
     tokens: int
+    lengths: str = ""  # the header's ``l``: buffer.lengths.encode_counts of the completion lengths
 
 
 def encode_group_payload(
@@ -63,12 +66,13 @@ def encode_group_payload(
 ) -> Encoded:
     """The payload of one group plus its header values, from one validating pass over the group."""
     data, oldest, tokens = encode_columnar(group)
+    lengths = encode_counts(t.num_completion_tokens for t in group.trajectories)
     if compression == "zlib" and len(data) >= compress_min_bytes:
         packed = zlib.compress(data, level)
         # Keep the plain bytes when compression does not shrink them (random log-probs, tiny groups).
         if len(packed) < len(data):
-            return Encoded(CODEC_COLUMNAR_ZLIB, packed, oldest, tokens)
-    return Encoded(CODEC_COLUMNAR, data, oldest, tokens)
+            return Encoded(CODEC_COLUMNAR_ZLIB, packed, oldest, tokens, lengths)
+    return Encoded(CODEC_COLUMNAR, data, oldest, tokens, lengths)
 
 
 def encode_payload(
@@ -126,6 +130,7 @@ class EntryHeader:
     codec: bytes
     nbytes: int
     nonce: str  # of the payload key; "" when the payload is inline (or missing)
+    lengths: str = ""  # completions per length bucket (buffer.lengths); "" when absent
 
 
 def _int_or_none(raw: bytes | None) -> int | None:
@@ -152,4 +157,5 @@ def read_header(fields: Mapping[bytes, bytes]) -> EntryHeader:
         codec=fields.get(F_CODEC, b""),
         nbytes=_plausible_bytes(_int_or_none(fields.get(F_BYTES))),
         nonce=fields.get(F_NONCE, b"").decode("ascii", "replace"),
+        lengths=fields.get(F_LENGTHS, b"").decode("ascii", "replace")[:1000],
     )

@@ -66,6 +66,12 @@ class RedisKeys:
         return self.prefix + "staleness"
 
     @property
+    def lengths(self) -> str:
+        """Hash ``<counter>:<bucket>`` -> completions settled in that counter with that length bucket, and
+        ``<counter>:tokens`` -> their tokens (:mod:`buffer.lengths`)."""
+        return self.prefix + "lengths"
+
+    @property
     def servers(self) -> str:
         """Set of rollout-server ids that have heartbeated (an index; liveness is the per-server key)."""
         return self.prefix + "servers"

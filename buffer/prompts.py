@@ -28,10 +28,17 @@ from tether.v1.trajectory_pb2 import Prompt
 log = get_logger(__name__)
 
 _F_PROMPT = b"p"
+_F_VERSION = b"v"  # the version the prompt was issued at (also inside the prompt): read without parsing it
 _ISSUED = "prompts_issued"
 # Counters of prompts (or their groups) that ended without training data; see ``feed``.
 # ROLLOUT_DEAD_LETTER: groups a rollout server dead-lettered (reward failed, bad prompt).
 _WASTED = (DROPPED_STALE, "dead_letter", "prompts_dead_letter", ROLLOUT_DEAD_LETTER)
+
+
+def _issued_at(fields: dict[bytes, bytes] | None) -> int:
+    """The version an entry was issued at; one without it (written by hand) counts as never old."""
+    raw = fields.get(_F_VERSION) if fields else None
+    return int(raw) if raw is not None and raw.isdigit() else 2**62
 
 
 class PromptQueue:
@@ -82,7 +89,7 @@ class PromptQueue:
         for prompt in batch:
             if not prompt.issued_at_version:
                 prompt.issued_at_version = version
-            pipe.xadd(self.keys.prompts, {_F_PROMPT: prompt.SerializeToString()})
+            pipe.xadd(self.keys.prompts, {_F_PROMPT: prompt.SerializeToString(), _F_VERSION: prompt.issued_at_version})
         pipe.hincrby(self.keys.counters, _ISSUED, len(batch))
         pipe.execute()
         return len(batch)
@@ -95,10 +102,23 @@ class PromptQueue:
         pipe = self.client.pipeline(transaction=True)
         for prompt in prompts:
             prompt.issued_at_version = version
-            pipe.xadd(self.keys.prompts, {_F_PROMPT: prompt.SerializeToString()})
+            pipe.xadd(self.keys.prompts, {_F_PROMPT: prompt.SerializeToString(), _F_VERSION: version})
         pipe.hincrby(self.keys.counters, "prompts_reissued", len(prompts))
         pipe.execute()
         return len(prompts)
+
+    def generating(self, *, issued_by: int) -> int:
+        """Prompts issued at version ``issued_by`` or before that a rollout server has taken and not finished:
+        their groups are being generated (or their server died and they wait to be reclaimed). An entry
+        leaves the stream once its group is in the trajectories stream or it was dead-lettered; one never
+        taken yet is left out (a server takes it with newer weights). The stream holds only what admission
+        let out, so this is one short XRANGE and XPENDING."""
+        entries = self.client.xrange(self.keys.prompts)
+        old = {text(eid) for eid, fields in entries if _issued_at(fields) <= issued_by}
+        if not old:
+            return 0
+        pending = self.client.xpending_range(self.keys.prompts, PROMPT_GROUP, min="-", max="+", count=len(entries))
+        return sum(text(p["message_id"]) in old for p in pending)
 
     # -- rollout servers ----------------------------------------------------------------------------------
     def read(self, consumer: str, *, count: int = 1, block_ms: int = 1000) -> list[tuple[str, Prompt]]:

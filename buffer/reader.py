@@ -11,6 +11,11 @@ lost silently. Stale groups are dropped from their header alone, before
 any fetching or decoding. A read is one XREADGROUP for the small entry headers and one MGET for the
 payloads worth decoding (:mod:`buffer.scripts` says why payloads live in their own keys); an ack is
 one script call that also deletes the payloads, with the ``consumed`` bookkeeping piggy-backed on it.
+
+What is available is taken oldest first (by the header's oldest policy version), not in arrival order: a
+long completion arrives after shorter ones admitted later, and read in arrival order it waited behind
+them until it was too old to train on. Groups a caller read but did not use (:meth:`give_back`) come back
+on the next read, checked for staleness again.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import redis
 
 from buffer.codec import F_DATA, EntryHeader, decode_group_columnar, read_header
 from buffer.keys import LEARNER_GROUP, RedisKeys
+from buffer.lengths import clean_counts, encode_counts
 from buffer.policy import stale_counter, staleness_of
 from buffer.replies import text
 from buffer.scripts import Scripts, ensure_group
@@ -49,6 +55,12 @@ class BufferedGroup:
     columnar: bytes = b""
 
 
+def _oldest_of(fields: dict[bytes, bytes] | None) -> int:
+    """The header's oldest version, for ranking; unknown ranks first (it is settled or decoded at once)."""
+    head = read_header(fields) if fields else None
+    return -1 if head is None or head.oldest_version is None else head.oldest_version
+
+
 class TrajectoryReader:
     def __init__(self, client: redis.Redis, keys: RedisKeys, cfg: BufferConfig, *, consumer: str = "learner-0") -> None:
         self.client = client
@@ -57,7 +69,10 @@ class TrajectoryReader:
         self.consumer = consumer
         self._scripts = Scripts(client)
         self._backlog: deque[Entry] = deque()
-        self._inflight: dict[str, tuple[int, int, str]] = {}  # entry id -> (payload bytes, staleness, nonce)
+        self._queued: set[str] = set()  # ids in _backlog: a reclaim must not queue one twice
+        self._held: list[BufferedGroup] = []  # read, handed out, given back unused (still pending here)
+        # entry id -> (payload bytes, staleness, nonce, lengths): what its ack books
+        self._inflight: dict[str, tuple[int, int, str, str]] = {}
         self._consumed = 0  # delivered since the last flush; sent with the next settle (no extra round trip)
         self._next_claim = 0.0
         self._claim_every_s = min(1.0, cfg.claim_idle_ms / 2000)
@@ -102,7 +117,7 @@ class TrajectoryReader:
             return 0
         # An entry this reader already handed out (a learner step longer than claim_idle_ms) is in use,
         # not abandoned: queueing it again would train on it twice.
-        entries = [(i, f) for i, f in entries if text(i) not in self._inflight]
+        entries = [(i, f) for i, f in entries if text(i) not in self._inflight and text(i) not in self._queued]
         if not entries:
             return 0
         ids = [text(i) for i, _ in entries]
@@ -112,6 +127,7 @@ class TrajectoryReader:
         deliveries = {text(p["message_id"]): int(p["times_delivered"]) for p in pending}
         for eid, (_, fields) in zip(ids, entries, strict=True):
             self._backlog.append((eid, fields, deliveries.get(eid, 1)))
+            self._queued.add(eid)
         return len(entries)
 
     # -- reading ---------------------------------------------------------------------------------------
@@ -141,23 +157,77 @@ class TrajectoryReader:
     ) -> None:
         deadline = time.monotonic() + block_ms / 1000
         while len(out) < n_groups:
-            want = n_groups - len(out)
-            if not self._backlog and time.monotonic() >= self._next_claim:
+            if time.monotonic() >= self._next_claim:  # entries a vanished consumer left pending
                 self._autoclaim()
-            batch = [self._backlog.popleft() for _ in range(min(want, len(self._backlog)))]
-            if not batch:
+            self._pull(block_ms=None)  # everything already there, so the oldest can be taken first
+            if not self._backlog and not self._held:
                 remaining_ms = int((deadline - time.monotonic()) * 1000)
-                reply = self.client.xreadgroup(
-                    LEARNER_GROUP,
-                    self.consumer,
-                    {self.keys.trajectories: ">"},
-                    count=want,
-                    block=remaining_ms if remaining_ms >= 1 else None,  # BLOCK 0 would wait forever
-                )
-                batch = [(text(i), f, 1) for i, f in reply[0][1]] if reply else []
-            if not batch:
-                break
+                if remaining_ms < 1 or not self._pull(block_ms=remaining_ms):  # BLOCK 0 would wait forever
+                    break
+            held, batch = self._oldest(n_groups - len(out), current_version=current_version,
+                                       max_staleness=max_staleness)  # fmt: skip
+            out.extend(held)
             out.extend(self._accept(batch, current_version=current_version, max_staleness=max_staleness))
+
+    def _pull(self, *, block_ms: int | None) -> int:
+        """Queue the new entries (up to the stream's bound at once), waiting up to ``block_ms`` (None: not at all)."""
+        reply = self.client.xreadgroup(
+            LEARNER_GROUP, self.consumer, {self.keys.trajectories: ">"}, count=self.cfg.max_trajectory_groups,
+            block=block_ms,
+        )  # fmt: skip
+        entries = reply[0][1] if reply else []
+        for i, fields in entries:
+            eid = text(i)
+            self._backlog.append((eid, fields, 1))
+            self._queued.add(eid)
+        return len(entries)
+
+    def _oldest(
+        self, want: int, *, current_version: int, max_staleness: int
+    ) -> tuple[list[BufferedGroup], list[Entry]]:
+        """The ``want`` oldest of the held groups and the queued entries (by oldest policy version, then
+        arrival): the held ones ready to hand out, the entries still to accept. Held groups that went stale
+        meanwhile are settled as stale first."""
+        if self._held:
+            self._drop_stale_held(current_version, max_staleness)
+        ranked = [(_oldest_of(fields), 0, i) for i, (_, fields, _) in enumerate(self._backlog)]
+        ranked += [(b.group.oldest_version, 1, i) for i, b in enumerate(self._held)]
+        chosen = sorted(ranked)[:want]
+        entries = {i for _, kind, i in chosen if kind == 0}
+        held_ids = {i for _, kind, i in chosen if kind == 1}
+        held = [b for i, b in enumerate(self._held) if i in held_ids]
+        self._held = [b for i, b in enumerate(self._held) if i not in held_ids]
+        batch = [e for i, e in enumerate(self._backlog) if i in entries]
+        self._backlog = deque(e for i, e in enumerate(self._backlog) if i not in entries)
+        for eid, _, _ in batch:
+            self._queued.discard(eid)
+        for b in held:
+            b.staleness = staleness_of(b.group.oldest_version, current_version)
+            nbytes, _, nonce, lengths = self._inflight[b.entry_id]
+            self._inflight[b.entry_id] = (nbytes, b.staleness, nonce, lengths)
+        self._consumed += len(held)
+        return held, batch
+
+    def _drop_stale_held(self, current_version: int, max_staleness: int) -> None:
+        settle, keep = Settlement(), []
+        for b in self._held:
+            if staleness_of(b.group.oldest_version, current_version) > max_staleness:
+                nbytes, _, nonce, lengths = self._inflight[b.entry_id]
+                settle.add(stale_counter(b.group.group_id), b.entry_id, nbytes=nbytes, nonce=nonce, lengths=lengths)
+            else:
+                keep.append(b)
+        if settle:
+            self._send(settle)
+            for b in self._held:
+                if b not in keep:
+                    self._inflight.pop(b.entry_id, None)
+        self._held = keep
+
+    def give_back(self, groups: list[BufferedGroup]) -> None:
+        """Groups :meth:`read` handed out that the caller will not train on now: a later read hands them out
+        again (before newer ones when they are older), or drops them as stale if they aged past the bound."""
+        self._held.extend(groups)
+        self._consumed -= len(groups)
 
     def _accept(self, batch: list[Entry], *, current_version: int, max_staleness: int) -> list[BufferedGroup]:
         good: list[BufferedGroup] = []
@@ -168,12 +238,14 @@ class TrajectoryReader:
                 settle.add("", eid, nbytes=0)
                 continue
             head = read_header(fields)
+            lengths = clean_counts(head.lengths)
             if delivered > self.cfg.max_deliveries:
                 reason = f"delivered {delivered} times (buffer.max_deliveries {self.cfg.max_deliveries})"
-                settle.add("dead_letter", eid, nbytes=head.nbytes, reason=reason, nonce=head.nonce)
+                settle.add("dead_letter", eid, nbytes=head.nbytes, reason=reason, nonce=head.nonce, lengths=lengths)
                 continue
             if head.oldest_version is not None and staleness_of(head.oldest_version, current_version) > max_staleness:
-                settle.add(stale_counter(head.group_id), eid, nbytes=head.nbytes, nonce=head.nonce)  # never fetched
+                counter = stale_counter(head.group_id)  # never fetched
+                settle.add(counter, eid, nbytes=head.nbytes, nonce=head.nonce, lengths=lengths)
                 continue
             wanted.append((eid, head, None if head.nonce else fields.get(F_DATA, b"")))
         # The payloads of everything worth decoding, in one round trip.
@@ -186,13 +258,17 @@ class TrajectoryReader:
                     raise InvalidTrajectory(f"payload key {self.keys.payload(head.nonce)} is gone (evicted?)")
                 group, oldest, columnar = decode_group_columnar(head.codec, payload)
             except InvalidTrajectory as e:
-                settle.add("dead_letter", eid, nbytes=head.nbytes, reason=f"undecodable: {e}"[:500], nonce=head.nonce)
+                reason = f"undecodable: {e}"[:500]
+                settle.add("dead_letter", eid, nbytes=head.nbytes, reason=reason, nonce=head.nonce,
+                           lengths=clean_counts(head.lengths))  # fmt: skip
                 continue
+            # The payload is what counts: a header that lied or was missing says nothing here.
+            lengths = encode_counts(t.num_completion_tokens for t in group.trajectories)
             lag = staleness_of(oldest, current_version)
-            if lag > max_staleness:  # the header lied or was missing: the payload is what counts
-                settle.add(stale_counter(head.group_id), eid, nbytes=head.nbytes, nonce=head.nonce)
+            if lag > max_staleness:
+                settle.add(stale_counter(head.group_id), eid, nbytes=head.nbytes, nonce=head.nonce, lengths=lengths)
                 continue
-            self._inflight[eid] = (head.nbytes, lag, head.nonce)
+            self._inflight[eid] = (head.nbytes, lag, head.nonce, lengths)
             good.append(BufferedGroup(entry_id=eid, group=group, staleness=lag, columnar=columnar))
         self._consumed += len(good)
         if settle:
@@ -216,8 +292,8 @@ class TrajectoryReader:
         """Acknowledge (and delete) entries after the optimizer step that used them; repeats are no-ops."""
         settle = Settlement()
         for eid in entry_ids:
-            nbytes, lag, nonce = self._inflight.get(eid, (None, None, ""))
-            settle.add("acknowledged", eid, nbytes=nbytes, lag=lag, nonce=nonce)
+            nbytes, lag, nonce, lengths = self._inflight.get(eid, (None, None, "", ""))
+            settle.add("acknowledged", eid, nbytes=nbytes, lag=lag, nonce=nonce, lengths=lengths)
         self._send(settle)
         # Forgotten only once Redis has them: an ack that failed (Redis away) can be retried with the
         # same sizes and payload keys.

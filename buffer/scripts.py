@@ -19,7 +19,8 @@ from __future__ import annotations
 import redis
 
 # KEYS: stream, seen-marker, counters, payload key.
-# ARGV: max_groups, max_bytes, marker_ttl_ms, tokens, group_id, oldest_version, codec, payload nonce.
+# ARGV: max_groups, max_bytes, marker_ttl_ms, tokens, group_id, oldest_version, codec, payload nonce,
+#       completion lengths (buffer.lengths.encode_counts).
 # Returns {1, id} inserted | {0, existing id} duplicate | {-1, depth, bytes} full (payload kept for
 # the retry) | {-2} the payload key is gone (its TTL ran out while the producer waited): send it again.
 PUT = """
@@ -39,7 +40,8 @@ if depth >= tonumber(ARGV[1]) or (depth > 0 and bytes + n > tonumber(ARGV[2])) t
   return {-1, depth, bytes}
 end
 redis.call('PERSIST', KEYS[4])
-local id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[5], 'v', ARGV[6], 'c', ARGV[7], 'n', n, 'k', ARGV[8])
+local id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[5], 'v', ARGV[6], 'c', ARGV[7], 'n', n, 'k', ARGV[8],
+  'l', ARGV[9])
 redis.call('SET', KEYS[2], id, 'PX', ARGV[3])
 redis.call('HINCRBY', KEYS[3], 'produced', 1)
 redis.call('HINCRBY', KEYS[3], 'bytes', n)
@@ -50,18 +52,20 @@ return {1, id}
 
 # Settle entries a consumer group has read: acknowledge, delete (with their payload key), count;
 # optionally copy to the dead-letter stream (payload included) with a reason, and add to the staleness
-# histogram. One call settles a whole batch, whatever counters its entries go to.
-# KEYS: stream, counters, staleness-hash, dead-letter stream.
+# histogram and the length book (buffer.lengths). One call settles a whole batch, whatever counters its
+# entries go to.
+# KEYS: stream, counters, staleness-hash, dead-letter stream, lengths-hash.
 # ARGV: group, dead_letter_maxlen, consumer, consumed_delta ('consumed' counter), payload key prefix,
 #       then per entry: id, counter ('' = none), nbytes ('' = look it and the nonce up in the entry),
-#       lag ('' = not histogrammed), reason ('' = not dead-lettered), payload nonce ('' = none).
+#       lag ('' = not histogrammed), reason ('' = not dead-lettered), payload nonce ('' = none),
+#       lengths ('key:n,...' added to the lengths hash as '<counter>:<key>'; '' = none).
 # Only entries still pending are settled (XACK returned 1), so a repeated ack counts once.
 # Returns {counter, settled, ...}.
 SETTLE = """
-local settled, freed, lags, acked, pkeys = {}, 0, {}, {}, {}
-for i = 6, #ARGV, 6 do
+local settled, freed, lags, acked, pkeys, lens = {}, 0, {}, {}, {}, {}
+for i = 6, #ARGV, 7 do
   local id, counter, nbytes, lag = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-  local reason, nonce = ARGV[i + 4], ARGV[i + 5]
+  local reason, nonce, lengths = ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
   local entry = nil
   if nbytes == '' or reason ~= '' then
     -- The caller did not read this entry itself (e.g. another reader object), or it is dead-lettered
@@ -95,6 +99,12 @@ for i = 6, #ARGV, 6 do
     elseif lag ~= '' then
       lags[lag] = (lags[lag] or 0) + 1
     end
+    if counter ~= '' then
+      for key, n in string.gmatch(lengths, '(%w+):(%d+)') do
+        local f = counter .. ':' .. key
+        lens[f] = (lens[f] or 0) + tonumber(n)
+      end
+    end
     acked[#acked + 1] = id
     if pkey then pkeys[#pkeys + 1] = pkey end
     settled[counter] = (settled[counter] or 0) + 1
@@ -105,6 +115,7 @@ end
 for s = 1, #acked, 1000 do redis.call('XDEL', KEYS[1], unpack(acked, s, math.min(s + 999, #acked))) end
 for s = 1, #pkeys, 1000 do redis.call('DEL', unpack(pkeys, s, math.min(s + 999, #pkeys))) end
 for lag, count in pairs(lags) do redis.call('HINCRBY', KEYS[3], lag, count) end
+for f, count in pairs(lens) do redis.call('HINCRBY', KEYS[5], f, count) end
 local out = {}
 for counter, count in pairs(settled) do
   if counter ~= '' then redis.call('HINCRBY', KEYS[2], counter, count) end

@@ -33,10 +33,12 @@ class Settlement:
         lag: int | None = None,
         reason: str = "",
         nonce: str = "",
+        lengths: str = "",
     ) -> None:
-        """``nbytes=None`` makes the script look the size (and the payload nonce) up in the entry."""
+        """``nbytes=None`` makes the script look the size (and the payload nonce) up in the entry;
+        ``lengths`` (:func:`buffer.lengths.clean_counts`) is booked under ``counter`` by length."""
         self.rows += (entry_id, counter, "" if nbytes is None else str(nbytes), "" if lag is None else str(lag))
-        self.rows += (reason, nonce)
+        self.rows += (reason, nonce, lengths)
         self.counters.setdefault(counter, []).append(reason)
 
     def __bool__(self) -> bool:
@@ -57,7 +59,7 @@ class Settlement:
         """Settle everything in one script call; how many entries each counter actually settled."""
         if not self.rows and not consumed:
             return {}
-        script_keys = [stream, keys.counters, keys.staleness, keys.dead_letter]
+        script_keys = [stream, keys.counters, keys.staleness, keys.dead_letter, keys.lengths]
         args = [group, dead_letter_maxlen, consumer, consumed, keys.payload(""), *self.rows]
         reply = scripts.settle(keys=script_keys, args=args)
         self.rows = []

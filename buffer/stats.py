@@ -11,6 +11,7 @@ from __future__ import annotations
 import redis
 
 from buffer.keys import LEARNER_GROUP, RedisKeys
+from buffer.lengths import LengthBook
 from buffer.replies import str_keys, text
 
 # KEYS: stream. Returns {oldest id or '', server time s, server time µs}.
@@ -55,7 +56,8 @@ def _oldest_age_s(reply: object) -> float:
 
 
 def buffer_stats(client: redis.Redis, keys: RedisKeys) -> dict[str, float]:
-    """Depth, bytes, oldest age, counters and the staleness histogram of the trained-on groups."""
+    """Depth, bytes, oldest age, counters, the staleness histogram of the trained-on groups, and whether
+    what was trained has the length distribution of what was generated (:mod:`buffer.lengths`)."""
     oldest = client.register_script(_OLDEST)
     pipe = client.pipeline(transaction=False)
     pipe.xlen(keys.trajectories)
@@ -66,7 +68,8 @@ def buffer_stats(client: redis.Redis, keys: RedisKeys) -> dict[str, float]:
     pipe.xlen(keys.prompts)
     pipe.xlen(keys.dead_letter)
     pipe.get(keys.version)
-    depth, counters, hist, age, pending, prompts, dead, version = pipe.execute(raise_on_error=False)
+    pipe.hgetall(keys.lengths)
+    depth, counters, hist, age, pending, prompts, dead, version, lengths = pipe.execute(raise_on_error=False)
 
     counters = str_keys(dict(_ok(counters, {})))
     out: dict[str, float] = {
@@ -90,4 +93,5 @@ def buffer_stats(client: redis.Redis, keys: RedisKeys) -> dict[str, float]:
         out[f"buffer/staleness/{lag}"] = float(count)
     out["buffer/staleness_mean"] = sum(k * v for k, v in lags.items()) / total if total else 0.0
     out["buffer/staleness_max"] = float(max((k for k, v in lags.items() if v), default=0))
+    out.update(LengthBook.from_hash(str_keys(dict(_ok(lengths, {})))).metrics())
     return out

@@ -133,6 +133,7 @@ class TrajectoryWriter:
                     payload=enc.payload,
                     oldest_version=enc.oldest_version,
                     tokens=enc.tokens,
+                    lengths=enc.lengths,
                 )
             )
         return self._insert(encoded, timeout_s)
@@ -145,20 +146,23 @@ class TrajectoryWriter:
         payload: bytes,
         oldest_version: int,
         tokens: int = 0,
+        lengths: str = "",
         timeout_s: float | None = None,
     ) -> str | None:
         """:meth:`put` for a payload already encoded by :func:`buffer.codec.encode_payload`."""
-        return self._insert(
-            [self._prepare(group_id, codec=codec, payload=payload, oldest_version=oldest_version, tokens=tokens)],
-            timeout_s,
-        )[0]
+        put = self._prepare(
+            group_id, codec=codec, payload=payload, oldest_version=oldest_version, tokens=tokens, lengths=lengths
+        )
+        return self._insert([put], timeout_s)[0]
 
-    def _prepare(self, group_id: str, *, codec: bytes, payload: bytes, oldest_version: int, tokens: int) -> _Put:
+    def _prepare(
+        self, group_id: str, *, codec: bytes, payload: bytes, oldest_version: int, tokens: int, lengths: str
+    ) -> _Put:
         nonce = f"{self._nonce_prefix}-{next(self._count)}"
         keys = [self.keys.trajectories, self.keys.seen(group_id), self.keys.counters, self.keys.payload(nonce)]
         cfg = self.cfg
         args = [cfg.max_trajectory_groups, cfg.max_trajectory_bytes, self._ttl_ms, tokens, group_id, oldest_version,
-                codec, nonce]  # fmt: skip
+                codec, nonce, lengths]  # fmt: skip
         return _Put(keys, args, payload)
 
     def _insert(self, puts: list[_Put], timeout_s: float | None) -> list[str | None]:

@@ -27,9 +27,11 @@ log = get_logger(__name__)
 
 
 def demo_prompt(row: dict[str, str], index: int, *, prompt_id: str) -> Prompt:
-    context = {k: v for k, v in row.items() if k != "prompt"}
-    return Prompt(prompt_id=prompt_id, dataset_index=index, text=row["prompt"],
-                  reward_context={**context, "data_source": row["task"]})  # fmt: skip
+    """A built-in task's row as a prompt; a ``max_tokens`` in the row (``demo:longtail``) caps its completions."""
+    context = {k: v for k, v in row.items() if k not in ("prompt", "max_tokens")}
+    context["data_source"] = row["task"]
+    cap = int(row.get("max_tokens", 0))
+    return Prompt(prompt_id=prompt_id, dataset_index=index, text=row["prompt"], max_tokens=cap, reward_context=context)
 
 
 class PromptSource(Iterator[Prompt]):

@@ -22,6 +22,8 @@ import redis
 from buffer import BufferedGroup, PromptQueue, RedisKeys, TrajectoryReader
 from buffer.health import RunWatch, StallWatch
 from buffer.ledger import LedgerSnapshot, begin_lifetime, restore
+from buffer.lengths import LengthBook
+from buffer.replies import str_keys
 from learner.data import PromptSource
 from tether.config import TetherConfig
 from tether.logs import get_logger
@@ -105,6 +107,16 @@ class Feed:
             "buffer/admission_bound": float(bound + given_back),
         }
 
+    def length_metrics(self) -> dict[str, float]:
+        """The run's length book so far (:mod:`buffer.lengths`): TV distance between the lengths generated and
+        the lengths trained, both means, and the share dropped per length bucket. One HGETALL."""
+        try:
+            raw = str_keys(self.client.hgetall(self.keys.lengths))
+        except redis.RedisError as e:  # metrics only: the next step reads it again
+            log.warning("redis_unavailable", during="length book", error=str(e))
+            return {}
+        return LengthBook.from_hash(raw).metrics()
+
     def next_batch(
         self,
         version: int,
@@ -150,7 +162,43 @@ class Feed:
                     f"no trajectory group for {timeout:.0f}s (learner.read_timeout_s) — are rollout servers running "
                     f"for run {self.cfg.run.run_id!r}?"
                 )
-        return got
+        return self._with_due(got, version, stop_requested=stop_requested, admission_version=admission_version)
+
+    def _with_due(
+        self,
+        got: list[BufferedGroup],
+        version: int,
+        *,
+        stop_requested: Callable[[], bool] | None,
+        admission_version: Callable[[], int] | None,
+    ) -> list[BufferedGroup]:
+        """The step's batch, with every group that would be too old for the next step in it: waits (up to
+        ``algorithm.stale_wait_s``) for the prompts issued ``max_staleness`` versions ago that a server is still
+        generating, then takes the oldest ``train_batch_size`` of all that arrived and gives the rest back
+        to the reader for the next step. Without this the long completions — the last to arrive — were the
+        ones the bound dropped (docs/STALENESS.md)."""
+        algo, want = self.cfg.algorithm, self.cfg.learner.train_batch_size
+        if not algo.stale_wait_s or len(got) < want or self.source is None:
+            return got
+        issued_by = version - algo.max_staleness  # issued then or before: stale at the next version
+        deadline = time.monotonic() + algo.stale_wait_s
+        waited = False
+        try:
+            while self.queue.generating(issued_by=issued_by) and time.monotonic() < deadline:
+                if stop_requested is not None and stop_requested():
+                    return got
+                waited = True
+                self.feed(version if admission_version is None else admission_version())
+                time.sleep(0.05)
+            if waited:  # what arrived meanwhile, the awaited groups among it
+                got += self.reader.read(self.cfg.buffer.max_trajectory_groups, current_version=version,
+                                        max_staleness=algo.max_staleness, block_ms=0)  # fmt: skip
+        except (redis.ConnectionError, redis.TimeoutError) as e:  # train on what is here; nothing is lost
+            self.redis_errors += 1
+            log.warning("redis_unavailable", during="stale wait", errors=self.redis_errors, error=str(e))
+        got.sort(key=lambda b: b.group.oldest_version)  # stable: arrival order among equals
+        self.reader.give_back(got[want:])
+        return got[:want]
 
     def _explain_wait(self) -> None:
         """While no group comes, say why (no server, all dead-lettered, all stale) — a learner started by

@@ -92,6 +92,8 @@ class PromptWorker:
             if prompt.token_ids:  # as the Generate RPC checks them: an id outside the vocabulary fails the batch
                 check_vocab(ids, vocab_size=s.vocab_size())
             check_length(ids, rc, max_model_len=e.max_model_len)
+            if not 0 <= prompt.max_tokens <= rc.max_tokens:
+                raise BadRequest(f"max_tokens {prompt.max_tokens} is outside 0..{rc.max_tokens} (rollout.max_tokens)")
         except BadRequest as err:
             await self._dead_letter(entry_id, group_id, f"bad prompt: {err}", prompt.SerializeToString())
             return
@@ -100,7 +102,7 @@ class PromptWorker:
             temperature=rc.temperature,
             top_p=rc.top_p,
             top_k=rc.top_k,
-            max_tokens=rc.max_tokens,
+            max_tokens=prompt.max_tokens or rc.max_tokens,
             stop=tuple(rc.stop),
         )
         started = time.time()

@@ -2,7 +2,8 @@
 
 Meant to be looked at rather than read: a title naming the run and its main settings, axis names in
 words, the reward smoothed over its raw values (a step's reward mean is a noisy estimate from one batch),
-then loss, entropy, staleness against its bound, throughput and — when the run evaluates — the
+then loss, entropy, staleness against its bound, the mean completion length generated beside the one
+trained (:mod:`buffer.lengths`), throughput and — when the run evaluates — the
 validation scores on a 0–1 axis (mean@k, pass@k, ...: :func:`validation_keys`). A panel appears only when it
 has data, and ``loss/total`` is drawn only where it differs from ``loss/pg`` (without KL or entropy terms they
 are the same curve). Both ``tether up`` and a learner started on its own write it at their end; failing to
@@ -97,6 +98,16 @@ def _staleness(rows: Rows, cfg) -> Panel:  # type: ignore[no-untyped-def]
     return p
 
 
+def _lengths(rows: Rows, _cfg) -> Panel:  # type: ignore[no-untyped-def]
+    """Mean completion length generated beside trained (run so far): apart when a bound drops the long ones."""
+    p = Panel("completion\nlength (tokens)")
+    tv = _series(rows, "buffer/length_tv")[1]
+    trained = f"trained (TV {tv[-1]:.2f} at the end)" if tv else "trained"
+    p.add("generated", *_series(rows, "buffer/length_mean_generated"), color="tab:gray")
+    p.add(trained, *_series(rows, "buffer/length_mean_trained"), color="tab:orange")
+    return p
+
+
 def _throughput(rows: Rows, cfg) -> Panel:  # type: ignore[no-untyped-def]
     n = cfg.rollout.n if cfg is not None else 1
     p = Panel("samples/s\n(trained)" if cfg is not None else "groups/s\n(trained)")
@@ -140,7 +151,15 @@ def _validation(rows: Rows, _cfg) -> Panel:  # type: ignore[no-untyped-def]
     return p
 
 
-PANELS: tuple[Callable[..., Panel], ...] = (_reward, _loss, _entropy, _staleness, _throughput, _validation)
+PANELS: tuple[Callable[..., Panel], ...] = (
+    _reward,
+    _loss,
+    _entropy,
+    _staleness,
+    _lengths,
+    _throughput,
+    _validation,
+)
 
 
 def panels_for(rows: Rows, cfg=None) -> list[Panel]:  # type: ignore[no-untyped-def]

@@ -158,6 +158,7 @@ DEFAULT_SOURCES: dict[str, str] = {
     "charclass": "demo",
     "addition": "demo",
     "fewshot_addition": "math",
+    "longtail": "demo",
 }
 """verl's ``default_compute_score`` names, plain ``gsm8k``/``math``, and the demo tasks."""
 

@@ -20,6 +20,12 @@ four solved examples then ``"Q: What is 4 + 7?\\nA:"``, answered ``" \\boxed{11}
 teach from nothing. About a fifth of the 100 operand pairs (17, fixed by a hash) is held out: never a
 question, never a shot.
 
+``demo:longtail`` is charclass with long-tailed completion lengths, the workload that shows whether a
+staleness bound skews what is trained toward short answers (docs/STALENESS.md): each prompt carries a
+``max_tokens`` drawn from a Pareto tail (:func:`longtail_max_tokens`: from 4 tokens, median 8, one in
+sixteen 64 or more, capped at 256), and a random byte-level model rarely ends early, so its completion
+lengths follow that tail. The reward is charclass's, which does not depend on length.
+
 Each row carries ``task`` in its reward context so one reward (``rollout.reward.type: demo``, or
 ``data_source`` routing by ``task``) scores every built-in task.
 """
@@ -37,7 +43,7 @@ CHAR_CLASSES: dict[str, str] = {
     "upper": string.ascii_uppercase,
 }
 
-DEMO_TASKS = ("charclass", "addition", "fewshot_addition")
+DEMO_TASKS = ("charclass", "addition", "fewshot_addition", "longtail")
 SPLITS = ("train", "val")
 
 ADDITION_DIGITS = 2
@@ -99,6 +105,22 @@ def fewshot_question(a: int, b: int) -> str:
     return f"Q: What is {a} + {b}?\nA:"
 
 
+LONGTAIL_MIN_TOKENS, LONGTAIL_MAX_TOKENS = 4, 256
+
+
+def longtail_max_tokens(rng: random.Random) -> int:
+    """A Pareto (α = 1) length from :data:`LONGTAIL_MIN_TOKENS`: P(n ≥ x) = 4 / x, capped at 256."""
+    return min(LONGTAIL_MAX_TOKENS, int(LONGTAIL_MIN_TOKENS / (1.0 - rng.random())))
+
+
+def longtail_rows(*, seed: int = 0, split: str = "train") -> Iterator[dict[str, str]]:
+    rng = random.Random(f"longtail-{split}-{seed}")
+    names = sorted(CHAR_CLASSES)
+    while True:
+        name = rng.choice(names)
+        yield {"prompt": f"{name}:", "answer": name, "task": "longtail", "max_tokens": str(longtail_max_tokens(rng))}
+
+
 def demo_rows(task: str = "charclass", *, seed: int = 0, split: str = "train") -> Iterator[dict[str, str]]:
     """An endless, seeded stream of ``{"prompt": ..., "answer": ..., "task": ...}`` rows of a built-in
     task. ``split="val"`` gives the held-out rows (for charclass, the same distribution another seed)."""
@@ -111,6 +133,9 @@ def demo_rows(task: str = "charclass", *, seed: int = 0, split: str = "train") -
         return
     if task == "fewshot_addition":
         yield from fewshot_addition_rows(seed=seed, split=split)
+        return
+    if task == "longtail":
+        yield from longtail_rows(seed=seed, split=split)
         return
     rng = random.Random(seed if split == "train" else f"val-{seed}")
     names = sorted(CHAR_CLASSES)

@@ -272,7 +272,9 @@ def test_restarted_learner_recovers_what_it_had_not_acknowledged(client: redis.R
     got = first.read(2, current_version=2, max_staleness=1, block_ms=300)
     first.ack([got[0].entry_id])
     restarted = TrajectoryReader(client, KEYS, c, consumer="learner-0")  # same name, fresh process state
-    assert restarted.recover() == 1
+    # Both others: the one handed out and not acknowledged, and the one read ahead (the reader takes all
+    # that is there, so it can hand out the oldest first).
+    assert restarted.recover() == 2
     again = restarted.read(2, current_version=2, max_staleness=1, block_ms=300)
     assert [b.group.group_id for b in again] == ["group-1", "group-2"]  # the unacknowledged one first
     restarted.ack([b.entry_id for b in again])
@@ -295,7 +297,7 @@ def test_backpressure_with_a_stalled_consumer(client: redis.Redis) -> None:
     assert len(client.keys(KEYS.payload("*"))) == 4  # a producer that gave up leaves no payload behind
     s = assert_balanced(client)
     assert s["buffer/produced"] == 4
-    assert s["buffer/pending"] == 2
+    assert s["buffer/pending"] == 4  # two handed out, two read ahead: all on the learner's side now
     got = reader.read(2, current_version=2, max_staleness=1, block_ms=300)
     reader.ack([b.entry_id for b in got])  # room again
     assert writer.put(make_group(seed=99)) is not None
@@ -404,3 +406,63 @@ def test_an_entry_whose_payload_is_gone_is_dead_lettered(client: redis.Redis) ->
     s = assert_balanced(client)
     assert (s["buffer/dead_letter"], s["buffer/bytes"]) == (1, 0)
     assert client.keys(KEYS.payload("*")) == []
+
+
+def test_every_settled_group_is_booked_by_length_and_counter(client: redis.Redis) -> None:
+    """Trained groups and stale ones (dropped from the header alone) each land in the length book under
+    their counter, so the generated and trained length distributions can be compared."""
+    c = cfg(max_deliveries=1)
+    writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
+    writer.put(make_group(seed=0, tokens=4, g=3, version=5))  # fresh, short: trained
+    writer.put(make_group(seed=1, tokens=200, g=2, version=1))  # stale, long: dropped unread
+    got = reader.read(2, current_version=5, max_staleness=1, block_ms=300)
+    assert [b.group.group_id for b in got] == ["group-0"]
+    reader.ack([b.entry_id for b in got])
+    s = assert_balanced(client)
+    assert s["buffer/length_mean_generated"] == pytest.approx((3 * 4 + 2 * 200) / 5)
+    assert s["buffer/length_mean_trained"] == 4.0
+    assert s["buffer/length_drop_rate/4-5"] == 0.0
+    assert s["buffer/length_drop_rate/182-255"] == 1.0
+    assert s["buffer/length_tv"] == pytest.approx(0.4)
+    book = {k.decode(): int(v) for k, v in client.hgetall(KEYS.lengths).items()}
+    assert book == {"acknowledged:5": 3, "acknowledged:tokens": 12, "dropped_stale_env:16": 2,
+                    "dropped_stale_env:tokens": 400}  # fmt: skip
+    reader.ack([b.entry_id for b in got])  # a repeated ack books nothing twice
+    assert {k.decode(): int(v) for k, v in client.hgetall(KEYS.lengths).items()} == book
+
+
+def test_the_oldest_available_group_is_taken_first_not_the_first_to_arrive(client: redis.Redis) -> None:
+    """A long completion arrives after shorter ones admitted later; read in arrival order it would wait
+    behind them until it was too old to train on."""
+    c = cfg()
+    writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
+    for seed, version in enumerate((6, 6, 4, 5)):  # oldest tokens: v5, v5, v3, v4
+        writer.put(make_group(seed=seed, version=version))
+    got = reader.read(2, current_version=6, max_staleness=3, block_ms=300)
+    assert [b.group.group_id for b in got] == ["group-2", "group-3"]
+    assert [b.staleness for b in got] == [3, 2]
+    reader.ack([b.entry_id for b in got])
+    rest = reader.read(2, current_version=6, max_staleness=3, block_ms=300)
+    assert [b.group.group_id for b in rest] == ["group-0", "group-1"]
+    reader.ack([b.entry_id for b in rest])
+    s = assert_balanced(client)
+    assert (s["buffer/acknowledged"], s["buffer/consumed"], s["buffer/pending"]) == (4, 4, 0)
+
+
+def test_a_group_given_back_is_handed_out_again_or_dropped_once_stale(client: redis.Redis) -> None:
+    c = cfg()
+    writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
+    for seed, version in enumerate((3, 4, 4)):  # oldest tokens: v2, v3, v3
+        writer.put(make_group(seed=seed, version=version))
+    got = reader.read(3, current_version=3, max_staleness=1, block_ms=300)
+    assert [b.group.group_id for b in got] == ["group-0", "group-1", "group-2"]
+    reader.give_back(got[1:])
+    reader.ack([got[0].entry_id])
+    again = reader.read(1, current_version=4, max_staleness=1, block_ms=300)
+    assert [(b.group.group_id, b.staleness) for b in again] == [("group-1", 1)]  # re-checked at the new version
+    later = reader.read(1, current_version=5, max_staleness=1, block_ms=300)  # group-2 is v3: stale at v5
+    assert later == []
+    reader.ack([b.entry_id for b in again])
+    s = assert_balanced(client)
+    assert (s["buffer/acknowledged"], s["buffer/dropped_stale"], s["buffer/consumed"]) == (2, 1, 2)
+    assert s["buffer/staleness/1"] == 2 and s["buffer/length_drop_rate/16-22"] == pytest.approx(1 / 3)

@@ -98,6 +98,28 @@ def test_prompt_worker_turns_n_prompts_into_n_groups(server: ServerProcess, redi
     client.close()
 
 
+def test_a_prompts_max_tokens_caps_its_completions_and_one_above_the_limit_is_dead_lettered(
+    server: ServerProcess, redis_server: str, run_id: str
+) -> None:
+    client = redis.Redis.from_url(redis_server)
+    keys = RedisKeys(run_id)
+    capped = [trajectory_pb2.Prompt(prompt_id=f"cap{i}", text="digits:", max_tokens=3) for i in range(2)]
+    over = trajectory_pb2.Prompt(prompt_id="over", text="digits:", max_tokens=129)  # the server allows 128
+    assert PromptQueue(client, keys).feed(iter([*capped, over]), version=0, prompts_per_version=100, max_staleness=9)
+    reader = TrajectoryReader(client, keys, load_config(None, []).buffer, consumer="learner-0")
+    groups, deadline = [], time.monotonic() + 120
+    while len(groups) < 2 and time.monotonic() < deadline:
+        groups += reader.read(2 - len(groups), current_version=0, max_staleness=10, block_ms=500)
+    assert sorted(b.group.prompt_id for b in groups) == ["cap0", "cap1"], server.log_tail()
+    assert all(0 < t.num_completion_tokens <= 3 for b in groups for t in b.group.trajectories)
+    reader.ack([b.entry_id for b in groups])
+    while time.monotonic() < deadline and not client.xlen(keys.dead_letter):
+        time.sleep(0.2)
+    reasons = [f[b"reason"].decode() for _, f in client.xrange(keys.dead_letter)]
+    assert any("max_tokens 129 is outside 0..128" in r for r in reasons), reasons
+    client.close()
+
+
 def test_sigterm_drains_in_flight_work_and_exits_zero(server: ServerProcess, redis_server: str, run_id: str) -> None:
     result: dict[str, object] = {}
 

@@ -88,6 +88,18 @@ def test_a_fast_rollout_side_leaves_the_learner_busy_and_data_max_staleness_old(
     assert set(r.staleness) == {eta}  # admission lets rollout run exactly eta versions ahead, no further
 
 
+@pytest.mark.parametrize("eta", [1, 2])
+def test_long_tailed_groups_are_waited_for_not_dropped(eta: int) -> None:
+    """With ``stale_wait`` the learner waits for the groups about to pass the bound (none is dropped, and the
+    bound still holds); without it the long ones, the last to finish, are the ones dropped."""
+    common = dict(max_staleness=eta, slots_per_server=16, server_tokens_per_s=2000.0, learner_step_s=0.05,
+                  lengths=Lengths(mean=20, cv=2.0, max_tokens=256), seq_tokens_per_s=200.0)  # fmt: skip
+    wait = simulate(_fleet(**common), steps=60, warmup=eta + 2)
+    drop = simulate(_fleet(**common, stale_wait=False), steps=60, warmup=eta + 2)
+    assert wait.dropped_stale == 0 and max(wait.staleness) <= eta
+    assert drop.dropped_stale > 0 and max(drop.staleness) <= eta
+
+
 def test_a_slow_rollout_side_sets_the_pace() -> None:
     f = _fleet(max_staleness=2, server_tokens_per_s=400.0, learner_step_s=0.001, sync_s=0.0, slots_per_server=12)
     r = simulate(f, steps=60, warmup=5)

@@ -139,3 +139,19 @@ def test_fewshot_reward_is_the_math_rule_on_the_last_box(completion: str, expect
     reward, _ = SCORERS["demo"](completion, {"task": "fewshot_addition", "answer": "11"})
     assert reward == expected
     assert SCORERS["math"](completion, {"answer": "11"})[0] == expected
+
+
+def test_longtail_prompts_carry_a_pareto_length_cap_outside_the_reward_context() -> None:
+    from learner.data import demo_prompt
+    from tether.tasks import LONGTAIL_MAX_TOKENS, LONGTAIL_MIN_TOKENS
+
+    rows = list(itertools.islice(demo_rows("longtail", seed=3), 4000))
+    caps = sorted(int(r["max_tokens"]) for r in rows)
+    assert caps[0] == LONGTAIL_MIN_TOKENS and caps[-1] == LONGTAIL_MAX_TOKENS
+    assert 7 <= caps[len(caps) // 2] <= 9  # median 8 for P(n >= x) = 4 / x
+    assert 0.04 < sum(c >= 64 for c in caps) / len(caps) < 0.08  # one in sixteen
+    assert {r["answer"] for r in rows} == {"digits", "lower", "upper"}
+    prompt = demo_prompt(rows[0], 0, prompt_id="p0")
+    assert prompt.max_tokens == int(rows[0]["max_tokens"]) and "max_tokens" not in prompt.reward_context
+    assert prompt.reward_context["data_source"] == "longtail"
+    assert demo_reward("123", prompt.reward_context) == (1.0 if rows[0]["answer"] == "digits" else 0.0)

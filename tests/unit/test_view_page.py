@@ -62,6 +62,19 @@ def test_the_run_is_decoded_with_its_tokenizer(tmp_path: Path, tokenizer_dir: Pa
     assert "".join(pieces[str(i)] for i in data["groups"][1]["samples"][0]["ids"]) == HOSTILE
 
 
+def test_the_page_says_which_completion_lengths_were_not_trained(tmp_path: Path, tokenizer_dir: Path) -> None:
+    run = _run(tmp_path, tokenizer_dir, model_path=str(tokenizer_dir))
+    assert run_data(run, decoder=None)["lengths"] == ""  # no books yet
+    (run / "buffer_stats.json").write_text(json.dumps({
+        "buffer/length_tv": 0.084, "buffer/length_mean_generated": 14.04, "buffer/length_mean_trained": 8.69,
+        "buffer/length_drop_rate/128-181": 1.0, "buffer/length_drop_rate/23-31": 0.25,
+        "buffer/length_drop_rate/4-5": 0.0}, sort_keys=True))  # fmt: skip
+    assert run_data(run, decoder=None)["lengths"] == (
+        "lengths: TV(generated, trained) 0.084, mean 14.0 generated / 8.7 trained tokens, "
+        "not trained: 23-31 tokens 25%, 128-181 tokens 100%"
+    )
+
+
 def test_a_relative_model_path_is_found_from_the_project(tmp_path: Path, tokenizer_dir: Path) -> None:
     project = tokenizer_dir.parent  # the run sits in <project>/runs/r1, model.path is relative to <project>
     decoder, _ = find_decoder(_run(project, tokenizer_dir, model_path="tok"))

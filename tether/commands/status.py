@@ -16,6 +16,8 @@ import redis
 
 from buffer import RedisKeys, ServerRegistry
 from buffer.ledger import format_books, run_books
+from buffer.lengths import LengthBook
+from buffer.replies import str_keys
 from tether.commands.sample import Sample, fmt, rate
 from tether.commands.watchdog import Watchdog
 from tether.config import TetherConfig
@@ -76,6 +78,9 @@ def render_status(cfg: TetherConfig, client: redis.Redis, new: Sample, old: Samp
         "",
     ]
     lines += [*format_books(run_books(client, keys)), ""]
+    lengths = LengthBook.from_hash(str_keys(client.hgetall(keys.lengths))).table()
+    if lengths:
+        lines += [*lengths, ""]
     servers = ServerRegistry(client, keys).live()
     lines.append(f"rollout servers: {len(servers)} live")
     if servers:

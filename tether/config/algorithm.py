@@ -18,6 +18,14 @@ class AlgorithmConfig(Section):
     max_staleness: int = Field(default=1, ge=0)
     """Policy versions rollout may run ahead of the learner (AReaL's eta). 0: synchronous on-policy."""
 
+    stale_wait_s: float = Field(default=300.0, ge=0)
+    """How long a learner step waits for groups that would pass ``max_staleness`` if it trained without
+    them: groups of prompts issued ``max_staleness`` versions ago that are still generating (the long
+    completions, which arrive last). They are then trained this step, oldest first, and nothing is dropped
+    for being long; after the wait the step goes on and such a group is dropped as stale (counted per length
+    in ``tether status``). 0: never wait, train on what arrived first (faster, but the long completions are
+    the ones dropped: docs/STALENESS.md)."""
+
     adv_estimator: str = "grpo"
     """A registered estimator (:mod:`tether.config.adv_estimator`), verl's names: ``grpo``: reward minus group
     mean (optionally over group std); ``dr_grpo``: no std normalisation, and the loss is aggregated as

@@ -91,7 +91,7 @@ class TrajectoryGroup(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("prompt_id", "dataset_index", "text", "token_ids", "reward_context", "issued_at_version")
+    __slots__ = ("prompt_id", "dataset_index", "text", "token_ids", "reward_context", "issued_at_version", "max_tokens")
     class RewardContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -105,10 +105,12 @@ class Prompt(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REWARD_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     ISSUED_AT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     dataset_index: int
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     reward_context: _containers.ScalarMap[str, str]
     issued_at_version: int
-    def __init__(self, prompt_id: _Optional[str] = ..., dataset_index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reward_context: _Optional[_Mapping[str, str]] = ..., issued_at_version: _Optional[int] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, prompt_id: _Optional[str] = ..., dataset_index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reward_context: _Optional[_Mapping[str, str]] = ..., issued_at_version: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...

@@ -118,6 +118,7 @@ def read_run(folder: str | Path) -> tuple[Fleet, Measured, list[float]]:
         train_batch_size=cfg.learner.train_batch_size,
         n=cfg.rollout.n,
         max_staleness=cfg.algorithm.max_staleness,
+        stale_wait=cfg.algorithm.stale_wait_s > 0,
         sync_every=cfg.weight_sync.sync_every,
         servers=len(by_server),
         slots_per_server=prompt_workers(cfg),

@@ -87,6 +87,8 @@ class Fleet:
     group_overhead_s: float = 0.0
     """After generation: scoring and the buffer write (the slot stays busy)."""
     inflight: Literal["keep", "drain"] = "keep"
+    stale_wait: bool = True
+    """The learner waits for groups about to pass ``max_staleness`` (``algorithm.stale_wait_s`` > 0)."""
     learner_step_samples: Sequence[float] = field(default=())
     """Observed learner step times (seconds) to resample instead of the linear model; from a run."""
     sync_samples: Sequence[float] = field(default=())

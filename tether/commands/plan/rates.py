@@ -192,6 +192,7 @@ def fleet_for(cfg: TetherConfig, rates: Rates, *, learner_gpus: int, rollout_gpu
         train_batch_size=cfg.learner.train_batch_size,
         n=n,
         max_staleness=cfg.algorithm.max_staleness,
+        stale_wait=cfg.algorithm.stale_wait_s > 0,
         sync_every=cfg.weight_sync.sync_every,
         servers=servers,
         slots_per_server=prompt_workers(sized),

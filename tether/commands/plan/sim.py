@@ -8,8 +8,10 @@ It follows the real processes step by step, so a prediction differs from a run o
 * **Rollout servers** take prompts in order, ``slots_per_server`` at a time, and generate each group on a
   processor-sharing engine (:class:`Engine`); a group's policy version is the server's version when it
   started (its oldest token, as the learner counts staleness).
-* **The buffer** is FIFO; **the learner** reads groups oldest first, drops (and gives back) any more than
-  ``max_staleness`` behind, trains on ``B`` usable ones, and every ``sync_every`` steps publishes.
+* **The buffer** holds groups as they finish; **the learner** takes what is there oldest first (by version),
+  drops (and gives back) any more than ``max_staleness`` behind, and once it has ``B`` usable ones waits for
+  the groups still generating that would be too old next step (``stale_wait``), trains on the oldest ``B``,
+  keeps the rest for the next step, and every ``sync_every`` steps publishes.
 * **Weight sync**: during an update no server starts a group of the run and ``keep`` pauses its in-flight ones
   for the transfer (their tokens then carry the new version, the oldest still the old one); ``drain`` first lets
   in-flight groups finish, and the learner waits for that before the transfer.
@@ -182,6 +184,8 @@ class RunSim:
         self.open = env.event()  # untriggered while a weight update holds new groups back
         self.open.succeed()
         self.in_flight = 0
+        self.generating: Counter[int] = Counter()  # groups in generation, by the version they started at
+        self.held: list[_Group] = []  # finished groups the learner read and kept for a later step
         self.drained = env.event()
         self.max_buffer = 0
         self.steps: list[_Step] = []
@@ -210,6 +214,7 @@ class RunSim:
             version, tokens = self.version, float(lengths.sum())
             cap = f.seq_tokens_per_s * tokens / float(lengths.max())  # the longest sample sets the pace
             self.in_flight += 1
+            self.generating[version] += 1
             yield engine.submit(tokens, cap, owner=self.key)
             if turn:
                 gate.release(turn, tokens)
@@ -219,6 +224,7 @@ class RunSim:
             if f.group_overhead_s:
                 yield env.timeout(f.group_overhead_s)
             self.buffer.put(_Group(version=version, tokens=tokens))
+            self.generating[version] -= 1  # as a server acknowledges its prompt: once the group is written
             self.max_buffer = max(self.max_buffer, len(self.buffer.items))
 
     def sync(self):
@@ -244,18 +250,17 @@ class RunSim:
             t_start = env.now
             self.feed()
             got: list[_Group] = []
-            stale: Counter[int] = Counter()
-            dropped = 0
+            pool, self.held = self.held + list(self.buffer.items), []  # what is there, oldest first
+            self.buffer.items.clear()
+            dropped = sum(self._take(g, got) for g in sorted(pool, key=lambda g: g.version))
             while len(got) < f.train_batch_size:
-                g = yield self.buffer.get()
-                s = self.version - g.version
-                if s > f.max_staleness:
-                    dropped += 1
-                    self.given_back += 1
-                    self.feed()
-                    continue
-                got.append(g)
-                stale[s] += 1
+                dropped += self._take((yield self.buffer.get()), got)
+            due = self.version - f.max_staleness  # started then or before: too old for the next step
+            while f.stale_wait and any(c for v, c in self.generating.items() if v <= due):
+                dropped += self._take((yield self.buffer.get()), got)
+            got.sort(key=lambda g: g.version)
+            got, self.held = got[: f.train_batch_size], got[f.train_batch_size :]
+            stale = Counter(self.version - g.version for g in got)
             if f.read_s:
                 yield env.timeout(f.read_s)
             t_data = env.now
@@ -269,6 +274,15 @@ class RunSim:
             self.steps.append(_Step(t_start, env.now, wait, sync, len(got), stale, dropped, busy))
             if on_step:
                 on_step()
+
+    def _take(self, g: _Group, got: list[_Group]) -> bool:
+        """Keep ``g`` for the step, or drop it (and give its slot back) when it is stale; whether dropped."""
+        if self.version - g.version <= self.f.max_staleness:
+            got.append(g)
+            return False
+        self.given_back += 1
+        self.feed()
+        return True
 
     def figures(self, first: int, last: int) -> SimResult:
         """Figures over steps ``first + 1`` to ``last`` (1-based): from the end of step ``first`` (0: the start)."""

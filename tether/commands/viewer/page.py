@@ -53,20 +53,41 @@ def run_data(run_dir: Path, *, decoder: Decoder | None, note: str = "") -> dict[
         "dead": dead,
         "unreadable_lines": bad + bad_dead,
         "dead_counts": _dead_counts(run_dir),
+        "lengths": _lengths_line(run_dir),
         "pieces": {str(k): v for k, v in pieces.items()},
     }
 
 
-def _dead_counts(run_dir: Path) -> dict[str, int]:
-    """The dead-letter counters of the buffer's books at the learner's end, when there are books."""
+def _books(run_dir: Path) -> dict[str, Any]:
+    """The buffer's books at the learner's end (``buffer_stats.json``); empty when there are none."""
     try:
         stats = json.loads((run_dir / "buffer_stats.json").read_text())
     except (OSError, ValueError):
         return {}
-    if not isinstance(stats, dict):
-        return {}
+    return stats if isinstance(stats, dict) else {}
+
+
+def _dead_counts(run_dir: Path) -> dict[str, int]:
+    """The dead-letter counters of the buffer's books at the learner's end, when there are books."""
+    stats = _books(run_dir)
     counts = {k: int(v) for k, v in sorted(stats.items()) if "dead_letter" in k and isinstance(v, int | float)}
     return counts if any(counts.values()) else {}
+
+
+def _lengths_line(run_dir: Path) -> str:
+    """Whether the run trained on the completion lengths it generated (:mod:`buffer.lengths`), in words."""
+    stats = _books(run_dir)
+    if "buffer/length_tv" not in stats:
+        return ""
+    rates = {k.rsplit("/", 1)[1]: v for k, v in stats.items() if k.startswith("buffer/length_drop_rate/") and v}
+    ordered = sorted(rates.items(), key=lambda kv: int(kv[0].split("-")[0]))
+    dropped = ", ".join(f"{label} tokens {rate:.0%}" for label, rate in ordered)
+    return (
+        f"lengths: TV(generated, trained) {stats['buffer/length_tv']:.3f}, mean "
+        f"{stats.get('buffer/length_mean_generated', 0):.1f} generated / "
+        f"{stats.get('buffer/length_mean_trained', 0):.1f} trained tokens"
+        + (f", not trained: {dropped}" if dropped else "")
+    )
 
 
 def _embed(data: dict) -> str:

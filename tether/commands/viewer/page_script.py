@@ -253,6 +253,7 @@ SCRIPT = r"""
       D.every ? "logged every " + D.every + " step" + (D.every > 1 ? "s" : "") : "",
       dead.length ? nDead + " of " + dead.length + " dead letters kept" : "no dead letters kept",
       counts ? "books: " + counts : "",
+      D.lengths || "",
       D.model ? "model " + D.model : "",
       D.tokenizer || "",
       D.unreadable_lines ? D.unreadable_lines + " unreadable lines skipped" : "",
