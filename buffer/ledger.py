@@ -46,6 +46,8 @@ class LedgerSnapshot:
 
     counters: dict[str, int] = field(default_factory=dict)
     staleness: dict[str, int] = field(default_factory=dict)
+    lengths: dict[str, int] = field(default_factory=dict)
+    """The length book (:mod:`buffer.lengths`); empty in a checkpoint written before it existed."""
     lifetimes: list[dict] = field(default_factory=list)
     outstanding: list[int] = field(default_factory=list)
     """Dataset indices issued and not yet settled (trained on, dropped or dead-lettered)."""
@@ -64,9 +66,11 @@ def read_counters(client: redis.Redis, keys: RedisKeys) -> dict[str, int]:
     return int_hash(client.hgetall(keys.counters))
 
 
-def _consistent_view(client: redis.Redis, keys: RedisKeys) -> tuple[dict[str, int], dict[str, int], list, list]:
-    """``(counters, staleness histogram, prompts-stream entries, trajectories-stream entries)`` read in one
-    MULTI/EXEC: a put (``produced`` and its entry) or a settle (its counter and the entry's removal) lands
+def _consistent_view(
+    client: redis.Redis, keys: RedisKeys
+) -> tuple[dict[str, int], dict[str, int], dict[str, int], list, list]:
+    """``(counters, staleness histogram, length book, prompts-stream entries, trajectories-stream entries)``
+    read in one MULTI/EXEC: a put (``produced`` and its entry) or a settle (its counter and the entry's removal) lands
     wholly before or after it. Read one after the other, a group put in between was in the stream but not
     in ``produced``, and a restore counted it lost: the run's books stopped balancing (seen once in this
     project's CI, in the resume test). Both streams are bounded (``max_trajectory_groups``, the admission
@@ -74,10 +78,11 @@ def _consistent_view(client: redis.Redis, keys: RedisKeys) -> tuple[dict[str, in
     pipe = client.pipeline(transaction=True)
     pipe.hgetall(keys.counters)
     pipe.hgetall(keys.staleness)
+    pipe.hgetall(keys.lengths)
     pipe.xrange(keys.prompts, "-", "+")
     pipe.xrange(keys.trajectories, "-", "+")
-    counters, staleness, prompts, trajectories = pipe.execute()
-    return int_hash(counters), int_hash(staleness), prompts, trajectories
+    counters, staleness, lengths, prompts, trajectories = pipe.execute()
+    return int_hash(counters), int_hash(staleness), int_hash(lengths), prompts, trajectories
 
 
 def outstanding_indices(client: redis.Redis, keys: RedisKeys, prompts: list, trajectories: list) -> list[int]:
@@ -113,10 +118,11 @@ def outstanding_indices(client: redis.Redis, keys: RedisKeys, prompts: list, tra
 def take_snapshot(client: redis.Redis, keys: RedisKeys) -> LedgerSnapshot:
     """The buffer's books as they stand (learner rank 0, at checkpoint time), counters and streams as of
     one moment."""
-    counters, staleness, prompts, trajectories = _consistent_view(client, keys)
+    counters, staleness, lengths, prompts, trajectories = _consistent_view(client, keys)
     return LedgerSnapshot(
         counters={k: v for k, v in counters.items() if k not in GAUGES},
         staleness=staleness,
+        lengths=lengths,
         lifetimes=lifetimes(client, keys),
         outstanding=outstanding_indices(client, keys, prompts, trajectories),
         in_stream=len(trajectories),
@@ -172,6 +178,8 @@ def restore(client: redis.Redis, keys: RedisKeys, snap: LedgerSnapshot | None) -
     pipe.hset(keys.counters, mapping={k: v for k, v in counters.items() if v})
     if snap.staleness:
         pipe.hset(keys.staleness, mapping=snap.staleness)
+    if snap.lengths:
+        pipe.hset(keys.lengths, mapping=snap.lengths)
     for entry in snap.lifetimes:
         pipe.rpush(keys.lifetimes, json.dumps(entry))
     pipe.execute()

@@ -15,6 +15,7 @@ import redis
 from buffer import PromptQueue, RedisKeys, TrajectoryReader, TrajectoryWriter
 from buffer.keys import PROMPT_GROUP
 from buffer.ledger import begin_lifetime, restore, run_books, take_snapshot
+from buffer.replies import int_hash
 from tests.unit.test_buffer_codec import make_group
 from tether.config.buffer import BufferConfig
 from tether.v1.trajectory_pb2 import Prompt
@@ -80,6 +81,7 @@ def test_restore_into_an_empty_redis_puts_the_books_back(redis_client: redis.Red
     assert books["run"]["acknowledged"] == 4
     assert books["run"]["balanced"]  # produced 6 = acknowledged 4 + lost 2 + in stream 0
     assert [life["prompts_reissued"] for life in books["lifetimes"]] == [0, 4]
+    assert snap.lengths and int_hash(redis_client.hgetall(keys.lengths)) == snap.lengths  # the length book too
     waiting = redis_client.xreadgroup(PROMPT_GROUP, "rollout-1", {keys.prompts: ">"}, count=100)
     assert sorted(Prompt.FromString(f[b"p"]).dataset_index for _, f in waiting[0][1]) == reissue
 
