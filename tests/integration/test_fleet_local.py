@@ -60,8 +60,8 @@ def test_separate_processes_share_the_cores_and_the_server_exits_when_the_run_en
     learner = subprocess.Popen([sys.executable, "-m", "tether", "learner", *common], cwd=REPO, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
-        # `tether learner` becomes torchrun (exec): the split is in its environment, and so in its ranks'
-        _wait_for_exec(learner.pid, "torch.distributed.run")
+        # `tether learner` becomes the learner (exec; one rank: no torchrun): the split is in its environment
+        _wait_for_exec(learner.pid, "-m\x00learner\x00")
         assert _environ(learner.pid).get("OMP_NUM_THREADS") == expected
         learner_out, _ = learner.communicate(timeout=420)
         assert learner.returncode == 0, learner_out[-3000:]

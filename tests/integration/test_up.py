@@ -1,4 +1,4 @@
-"""``tether up`` end to end: embedded Redis, the learner under torchrun and two rollout servers, for real.
+"""``tether up`` end to end: embedded Redis, the learner and two rollout servers, for real.
 
 A short run on a tiny model must: complete its learner steps, train on data from advancing policy
 versions, acknowledge every group it trained on, write metrics and the curves PNG, and leave no process
@@ -191,7 +191,7 @@ def test_a_signal_stops_everything_and_keeps_books_plot_and_checkpoint(
     proc = _start_up(cfg)
     _wait_for_step(proc, run_dir, step=2)
     children = processes_mentioning(str(run_dir))
-    assert len(children) >= 4  # learner (torchrun + rank), two rollout servers, redis
+    assert len(children) >= 3  # the learner and two rollout servers
     if sig == signal.SIGINT:
         os.killpg(proc.pid, sig)  # Ctrl-C in a terminal: the whole foreground process group gets it
     else:

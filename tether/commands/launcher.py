@@ -52,34 +52,44 @@ def learner_command(
     local_addr: str = "",
     redis_url: str = "",
 ) -> list[str]:
-    """``torchrun ... -m learner --config <resolved config>``: every rank reads the same file."""
+    """``torchrun ... -m learner --config <resolved config>``: every rank reads the same file. One process on
+    one node runs without torchrun: ``python -m learner`` sets up its one-process group itself
+    (:func:`learner.distributed.init_distributed`), and torchrun's agent would cost a second Python process
+    (~2.7 s of CPU at every start on the 2-core machine) and put its banner over the learner's own error."""
     del config_path, overrides  # the resolved config already holds them
     resolved = save_resolved(cfg, run_paths(cfg).root)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cfg.learner.nproc_per_node}"]
-    if nnodes == "1" and not rdzv_endpoint:
-        cmd.append("--standalone")
-    else:
-        cmd += [
-            f"--nnodes={nnodes}",
-            f"--node_rank={node_rank}",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint={rdzv_endpoint}",
-            f"--rdzv_id={cfg.run.run_id}",
-        ]
-        if node_rank == 0 and ":" not in nnodes:
-            # Node 0 hosts the rendezvous store (docs/FLEETS.md). torchrun guesses that by matching the
-            # endpoint against the machine's hostname, which fails when the endpoint is another name or
-            # address of the host (a second interface, a service name): then no node hosts it and every
-            # node times out connecting. Say it outright.
-            cmd.append("--rdzv_conf=is_host=1")
-        if local_addr:
-            # The address the other nodes reach this one at; torchrun otherwise publishes the machine's
-            # FQDN, which on a multi-homed host may resolve to an interface the others cannot reach.
-            cmd.append(f"--local_addr={local_addr}")
+    cmd = [sys.executable]
+    if cfg.learner.nproc_per_node > 1 or nnodes != "1" or rdzv_endpoint:
+        cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={cfg.learner.nproc_per_node}"]
+        cmd += _rendezvous(cfg, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, local_addr=local_addr)
     cmd += ["-m", "learner", "--config", str(resolved), *_redis_override(redis_url), *_model_override(cfg)]
     if resume:
         cmd.append("--resume")
     return cmd
+
+
+def _rendezvous(cfg: TetherConfig, *, nnodes: str, node_rank: int, rdzv_endpoint: str, local_addr: str) -> list[str]:
+    """torchrun's arguments for where its ranks meet: this node alone, or a rendezvous across nodes."""
+    if nnodes == "1" and not rdzv_endpoint:
+        return ["--standalone"]
+    out = [
+        f"--nnodes={nnodes}",
+        f"--node_rank={node_rank}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={rdzv_endpoint}",
+        f"--rdzv_id={cfg.run.run_id}",
+    ]
+    if node_rank == 0 and ":" not in nnodes:
+        # Node 0 hosts the rendezvous store (docs/FLEETS.md). torchrun guesses that by matching the
+        # endpoint against the machine's hostname, which fails when the endpoint is another name or
+        # address of the host (a second interface, a service name): then no node hosts it and every
+        # node times out connecting. Say it outright.
+        out.append("--rdzv_conf=is_host=1")
+    if local_addr:
+        # The address the other nodes reach this one at; torchrun otherwise publishes the machine's
+        # FQDN, which on a multi-homed host may resolve to an interface the others cannot reach.
+        out.append(f"--local_addr={local_addr}")
+    return out
 
 
 def rollout_command(cfg: TetherConfig, *, index: int, redis_url: str = "") -> list[str]:
@@ -329,7 +339,8 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
             progress.finish()  # the steps logged since the last tick, the last one always
         if url:
             save_buffer_stats(_with_redis(cfg, url), paths)
-        write_plot(cfg, paths)
+        if _plot_is_stale(paths):  # the learner draws it at its end; again only if it died first
+            write_plot(cfg, paths)
         if embedded is not None:
             embedded.stop(save=True)  # its data stays in the run folder for `tether up --resume`
             paths.redis_url_file.unlink(missing_ok=True)
@@ -337,6 +348,14 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
 
         for line in summary_lines(cfg, paths, outcome=outcome, started=started, error=error):
             print(f"tether: {line}", flush=True)
+
+
+def _plot_is_stale(paths: RunPaths) -> bool:
+    """Whether ``plots/curves.png`` is missing or older than the metrics it draws."""
+    try:
+        return (paths.plots / "curves.png").stat().st_mtime < paths.metrics.stat().st_mtime
+    except OSError:
+        return True
 
 
 def start_children(
