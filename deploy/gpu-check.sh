@@ -102,8 +102,10 @@ up_05b() {
 
 demo() {
   python3 -m tether.commands.cli make-tiny-model "$work/tiny-demo" --hidden 64 --layers 2 --heads 2 >/dev/null 2>&1
+  # GPU_CHECK_DEMO_STEPS: fewer steps than the demo's (the CPU test of this script; too few to judge learning)
   python3 -m tether.commands.cli up --config configs/demo.yaml --model.path "$work/tiny-demo" \
-    --run.output_dir "$work/demo-runs" 2>&1 | tail -c 200000 >"$results/demo.log"
+    --run.output_dir "$work/demo-runs" ${GPU_CHECK_DEMO_STEPS:+--learner.total_steps "$GPU_CHECK_DEMO_STEPS"} \
+    2>&1 | tail -c 200000 >"$results/demo.log"
   return "${PIPESTATUS[0]}"
 }
 

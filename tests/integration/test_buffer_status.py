@@ -29,8 +29,10 @@ def _populate(client: redis.Redis, cfg: TetherConfig) -> None:
     writer, reader = TrajectoryWriter(client, keys, cfg.buffer), TrajectoryReader(client, keys, cfg.buffer)
     for i in range(3):
         writer.put(make_group(seed=i, version=3))
-    got = reader.read(2, current_version=3, max_staleness=1, block_ms=300)
-    reader.ack([b.entry_id for b in got])
+    writer.put(make_group(seed=9, version=1, tokens=100))  # oldest tokens v0: dropped as stale at v3
+    got = reader.read(3, current_version=3, max_staleness=1, block_ms=300)
+    reader.ack([b.entry_id for b in got[:2]])
+    reader.give_back(got[2:])  # still in the buffer: depth 1
     publish_version(client, keys, 3)
     client.hset(keys.learner, mapping={"step": 12, "reward_mean": 0.625, "tokens_per_s": 1500})
     ServerRegistry(client, keys).heartbeat(ServerInfo("rollout-0", address="127.0.0.1:7001", engine="transformers"))
@@ -46,6 +48,9 @@ def test_show_status_prints_version_buffer_and_servers(redis_client: redis.Redis
     assert "learner step 12" in text
     assert "depth 1" in text
     assert "acknowledged 2" in text
+    # The length book: 8 completions of 16 tokens trained, 4 of 100 dropped stale (the given-back one is unsettled)
+    assert "completion lengths: TV(generated, trained) 0.333" in text
+    assert re.search(r"91-127\s+4\s+0\s+4\s+100\.0%", text), text
     assert re.search(r"rollout-0\s+127\.0\.0\.1:7001\s+transformers", text)
 
 
