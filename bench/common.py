@@ -112,6 +112,25 @@ def report(fig: Figure, *, quick: bool = False) -> Figure:
     return fig
 
 
+def tether_up(cfg: dict, *, out: Path, run_id: str, what: str = "") -> Path:
+    """Run ``tether up`` on ``cfg`` (written to ``out/<run_id>.yaml``; an earlier run of that name is removed
+    first) and return its run folder; a failed run ends the benchmark with its stderr's tail."""
+    import shutil
+    import subprocess
+    import sys
+
+    import yaml
+
+    shutil.rmtree(out / run_id, ignore_errors=True)
+    path = out / f"{run_id}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    result = subprocess.run([sys.executable, "-m", "tether", "up", "--config", str(path)],
+                            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)  # fmt: skip
+    if result.returncode != 0:
+        raise SystemExit(f"tether up failed ({what or run_id}):\n{result.stderr[-3000:]}")
+    return out / run_id
+
+
 def ordered(items: Sequence[T], repeat: int) -> list[T]:
     """``items`` rotated by ``repeat``: with two sides, each runs first on every other repeat."""
     k = repeat % len(items)

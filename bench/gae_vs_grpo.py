@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +25,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import figure, ordered  # noqa: E402
+from bench.common import figure, ordered, tether_up  # noqa: E402
 from bench.common import report as report_figure  # noqa: E402
 from tether.metrics import read_metrics  # noqa: E402
 
@@ -37,22 +35,16 @@ ESTIMATORS = ("grpo", "gae")
 def run_once(args: argparse.Namespace, *, estimator: str, seed: int, model: Path) -> dict:
     run_id = f"{estimator}-seed{seed}"
     cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
-    cfg["run"].update(run_id=run_id, output_dir=str(args.out), seed=seed, tensorboard=False)
+    cfg["run"].update(run_id=run_id, output_dir=str(args.out), seed=seed, loggers=["console"])
     cfg["model"]["path"] = str(model)
     cfg["learner"].update(total_steps=args.steps, export_hf=False, read_timeout_s=600)
     cfg["algorithm"]["adv_estimator"] = estimator
     if estimator == "gae":
         cfg["algorithm"].update(gamma=1.0, lam=args.lam)
         cfg["critic"] = {"optim": {"lr": args.critic_lr}, "critic_warmup": args.critic_warmup}
-    shutil.rmtree(args.out / run_id, ignore_errors=True)  # an earlier invocation's run of this name: start over
-    path = args.out / f"{run_id}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
     print(f"seed {seed}: {estimator} ...", flush=True)
-    result = subprocess.run([sys.executable, "-m", "tether", "up", "--config", str(path)], cwd=REPO,
-                            capture_output=True, text=True)  # fmt: skip
-    if result.returncode != 0:
-        raise SystemExit(f"tether up failed ({estimator}, seed {seed}):\n{result.stderr[-3000:]}")
-    rows = [r for r in read_metrics(args.out / run_id / "metrics.jsonl") if r.get("reward/mean") is not None]
+    run_dir = tether_up(cfg, out=args.out, run_id=run_id, what=f"{estimator}, seed {seed}")
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("reward/mean") is not None]
     return {
         "reward": [r["reward/mean"] for r in rows],
         "explained_var": [r.get("critic/vf_explained_var") for r in rows],

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,7 +28,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import figure  # noqa: E402
+from bench.common import figure, tether_up  # noqa: E402
 from bench.common import report as report_figure  # noqa: E402
 from tether.metrics import read_metrics  # noqa: E402
 
@@ -51,15 +49,9 @@ def run_once(args: argparse.Namespace, *, staleness: int, seed: int, model: Path
     cfg["learner"].update(total_steps=args.steps, train_batch_size=args.batch, test_freq=args.test_freq,
                           val_max_prompts=args.val_prompts, export_hf=False, read_timeout_s=600)  # fmt: skip
     cfg["algorithm"]["max_staleness"] = staleness
-    shutil.rmtree(out / run_id, ignore_errors=True)  # an earlier invocation's run of this name: start over
-    path = out / f"{run_id}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
     print(f"seed {seed}: max_staleness={staleness} ...", flush=True)
-    result = subprocess.run([sys.executable, "-m", "tether", "up", "--config", str(path)], cwd=REPO,
-                            capture_output=True, text=True)  # fmt: skip
-    if result.returncode != 0:
-        raise SystemExit(f"tether up failed (max_staleness={staleness}, seed {seed}):\n{result.stderr[-3000:]}")
-    rows = read_metrics(out / run_id / "metrics.jsonl")
+    run_dir = tether_up(cfg, out=out, run_id=run_id, what=f"max_staleness={staleness}, seed {seed}")
+    rows = read_metrics(run_dir / "metrics.jsonl")
     train = [r for r in rows if r.get("learner/samples") is not None]
     # Wall-clock origin: the start of step 1 (the step's end time less its duration).
     t0 = train[0]["time"] - train[0]["timing/step"]

@@ -33,19 +33,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import figure, ordered, report  # noqa: E402
+from bench.common import figure, ordered, report, tether_up  # noqa: E402
 from tether.metrics import read_metrics  # noqa: E402
 
 
@@ -63,16 +59,10 @@ def run(args: argparse.Namespace, *, mode: str, staleness: int, seed: int, model
         "algorithm": {"max_staleness": staleness, **({"stale_wait_s": 0} if mode == "nowait" else {})},
         "weight_sync": {"transport": {"type": "gloo", "master_port": 0}},
     }  # fmt: skip
-    shutil.rmtree(out / run_id, ignore_errors=True)
-    path = out / f"{run_id}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
     print(f"seed {seed}: {mode} max_staleness={staleness} ...", flush=True)
-    result = subprocess.run([sys.executable, "-m", "tether", "up", "--config", str(path)], cwd=REPO,
-                            capture_output=True, text=True)  # fmt: skip
-    if result.returncode != 0:
-        raise SystemExit(f"tether up failed ({run_id}):\n{result.stderr[-3000:]}")
-    rows = read_metrics(out / run_id / "metrics.jsonl")
-    books = json.loads((out / run_id / "buffer_stats.json").read_text())
+    run_dir = tether_up(cfg, out=out, run_id=run_id)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    books = json.loads((run_dir / "buffer_stats.json").read_text())
     steps = [r for r in rows if r.get("learner/samples") is not None][args.skip :]
     val = [r["val/reward_mean"] for r in rows if r.get("val/reward_mean") is not None]
     groups = books["buffer/acknowledged"] + books["buffer/dropped_stale"]

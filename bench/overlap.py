@@ -37,18 +37,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import figure, ordered, report  # noqa: E402
+from bench.common import figure, ordered, report, tether_up  # noqa: E402
 from tether.metrics import read_metrics  # noqa: E402
 
 
@@ -65,15 +61,9 @@ def run_mode(args: argparse.Namespace, *, staleness: int, model: Path, out: Path
         "algorithm": {"max_staleness": staleness},
         "weight_sync": {"transport": transport},
     }  # fmt: skip
-    shutil.rmtree(out / run_id, ignore_errors=True)  # an earlier invocation's run of this name: start over
-    path = out / f"{run_id}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
     print(f"repeat {repeat}: running max_staleness={staleness} ...", flush=True)
-    result = subprocess.run([sys.executable, "-m", "tether", "up", "--config", str(path)], cwd=REPO,
-                            capture_output=True, text=True)  # fmt: skip
-    if result.returncode != 0:
-        raise SystemExit(f"tether up failed (max_staleness={staleness}):\n{result.stderr[-3000:]}")
-    return [r for r in read_metrics(out / run_id / "metrics.jsonl") if r.get("learner/samples") is not None]
+    run_dir = tether_up(cfg, out=out, run_id=run_id, what=f"max_staleness={staleness}")
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("learner/samples") is not None]
 
 
 def summarize(rows: list[dict], skip: int) -> dict[str, float]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import shutil
 import statistics
 import subprocess
 import sys
@@ -42,12 +41,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import figure  # noqa: E402
+from bench.common import figure, tether_up  # noqa: E402
 from bench.common import report as report_figure  # noqa: E402
 
 PROMPTS, SAMPLES, LR = 8, 8, 3e-3
@@ -76,14 +73,8 @@ def tether_trial(*, model: Path, tokens: int, staleness: int, seed: int, steps: 
                       "clip_ratio_high": 0.28, "use_kl_loss": False, "entropy_coeff": 0.0},
         "weight_sync": {"transport": {"type": "filesystem"}, "sync_every": 1},
     }  # fmt: skip
-    shutil.rmtree(out / run_id, ignore_errors=True)  # an earlier invocation's run of this name: start over
-    path = out / f"{run_id}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    result = subprocess.run([sys.executable, "-m", "tether", "up", "--config", str(path)], cwd=REPO,
-                            capture_output=True, text=True)  # fmt: skip
-    if result.returncode != 0:
-        raise SystemExit(f"tether up failed ({run_id}):\n{result.stderr[-3000:]}")
-    rows = [r for r in read_metrics(out / run_id / "metrics.jsonl") if r.get("learner/samples") is not None]
+    run_dir = tether_up(cfg, out=out, run_id=run_id)
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("learner/samples") is not None]
     return {
         "end_times": [r["time"] for r in rows],
         "rewards": [r["reward/mean"] for r in rows],
