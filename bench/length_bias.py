@@ -93,7 +93,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="keep the run folders here (default: a temporary folder)")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.skip, args.batch, args.val_prompts, args.staleness, args.repeats = 5, 1, 4, 6, [1], 1
+        args.steps, args.skip, args.batch, args.n, args.val_prompts = 4, 1, 4, 2, 4
+        args.staleness, args.repeats = [1], 1
     from tether.commands.tiny_model import make_tiny_model
 
     modes = [("sync", 0)] + [(m, s) for s in args.staleness for m in ("nowait", "wait")]
