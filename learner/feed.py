@@ -25,6 +25,7 @@ from buffer.ledger import LedgerSnapshot, begin_lifetime, restore
 from buffer.lengths import LengthBook
 from buffer.replies import str_keys
 from learner.data import PromptSource
+from tether import spans
 from tether.config import TetherConfig
 from tether.logs import get_logger
 
@@ -70,6 +71,7 @@ class Feed:
         self.stall = StallWatch(cfg, timeout_s=lc.stuck_timeout_s, min_groups=lc.train_batch_size)
         self._feed_lock = threading.Lock()
         self.redis_errors = 0  # Redis calls that failed even after the client's retries (logged each time)
+        self.stale_wait_s = 0.0  # the last step's wait for groups about to pass max_staleness
         log.info(
             "feed_started", dataset_position=start, recovered_groups=recovered, reissued_prompts=len(reissue),
             lifetime=self.lifetime,
@@ -178,19 +180,23 @@ class Feed:
         to the reader for the next step. Without this the long completions — the last to arrive — were the
         ones the bound dropped (docs/STALENESS.md)."""
         algo, want = self.cfg.algorithm, self.cfg.learner.train_batch_size
+        self.stale_wait_s = 0.0
         if not algo.stale_wait_s or len(got) < want or self.source is None:
             return got
         issued_by = version - algo.max_staleness  # issued then or before: stale at the next version
-        deadline = time.monotonic() + algo.stale_wait_s
-        waited = False
+        started = time.monotonic()
         try:
-            while self.queue.generating(issued_by=issued_by) and time.monotonic() < deadline:
-                if stop_requested is not None and stop_requested():
-                    return got
-                waited = True
-                self.feed(version if admission_version is None else admission_version())
-                time.sleep(0.05)
-            if waited:  # what arrived meanwhile, the awaited groups among it
+            due = self.queue.generating(issued_by=issued_by)
+            if due:  # the timeline shows the wait (tether trace), the step's metrics its length
+                with spans.span("wait_stale", groups=due):
+                    while due and time.monotonic() - started < algo.stale_wait_s:
+                        if stop_requested is not None and stop_requested():
+                            return got
+                        self.feed(version if admission_version is None else admission_version())
+                        time.sleep(0.05)
+                        due = self.queue.generating(issued_by=issued_by)
+                self.stale_wait_s = time.monotonic() - started
+                # what arrived meanwhile, the awaited groups among it
                 got += self.reader.read(self.cfg.buffer.max_trajectory_groups, current_version=version,
                                         max_staleness=algo.max_staleness, block_ms=0)  # fmt: skip
         except (redis.ConnectionError, redis.TimeoutError) as e:  # train on what is here; nothing is lost

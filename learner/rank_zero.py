@@ -123,11 +123,15 @@ class RankZero:
     def trained(self, batch: list, samples: list, *, step: int, version: int) -> dict[str, float]:
         """After the optimizer step that used ``batch`` (step ``step``, at learner version ``version``; its
         ``samples`` as the trainer trained them): acknowledge and trace it, and keep the viewer's record of it;
-        the admission metrics and the length book."""
+        the admission metrics, the length book, and how long the step waited for groups about to expire."""
         self.feed.ack(batch)
         self.trace.write(batch, step=step)
         self.generations.trained(batch, samples, step=step, version=version)
-        return self.feed.admission_metrics() | self.feed.length_metrics()
+        return {
+            **self.feed.admission_metrics(),
+            **self.feed.length_metrics(),
+            "timing/wait_stale": self.feed.stale_wait_s,
+        }
 
     def after_step(self, step: int, version: int, row: dict[str, float], *, servers_version: int) -> None:
         self.live.update(step, version, row)

@@ -66,6 +66,7 @@ def test_the_late_groups_of_an_old_version_are_trained_before_they_expire(redis_
     step1 = feed.next_batch(1)
     late.join()
     trained = {b.group.group_id for b in step1}
+    assert (feed.stale_wait_s > 0) == bool(wait_s)  # logged as timing/wait_stale
     if wait_s:
         assert trained == {PROMPT_GROUP_PREFIX + e for e in first[2:]}  # the long ones, before they expire
         feed.ack(step1)
