@@ -209,19 +209,18 @@ class TrajectoryReader:
         return held, batch
 
     def _drop_stale_held(self, current_version: int, max_staleness: int) -> None:
-        settle, keep = Settlement(), []
-        for b in self._held:
-            if staleness_of(b.group.oldest_version, current_version) > max_staleness:
-                nbytes, _, nonce, lengths = self._inflight[b.entry_id]
-                settle.add(stale_counter(b.group.group_id), b.entry_id, nbytes=nbytes, nonce=nonce, lengths=lengths)
-            else:
-                keep.append(b)
-        if settle:
-            self._send(settle)
-            for b in self._held:
-                if b not in keep:
-                    self._inflight.pop(b.entry_id, None)
-        self._held = keep
+        stale = [b for b in self._held if staleness_of(b.group.oldest_version, current_version) > max_staleness]
+        if not stale:
+            return
+        settle = Settlement()
+        for b in stale:
+            nbytes, _, nonce, lengths = self._inflight[b.entry_id]
+            settle.add(stale_counter(b.group.group_id), b.entry_id, nbytes=nbytes, nonce=nonce, lengths=lengths)
+        self._send(settle)
+        gone = {b.entry_id for b in stale}
+        for eid in gone:
+            self._inflight.pop(eid, None)
+        self._held = [b for b in self._held if b.entry_id not in gone]
 
     def give_back(self, groups: list[BufferedGroup]) -> None:
         """Groups :meth:`read` handed out that the caller will not train on now: a later read hands them out
