@@ -286,6 +286,26 @@ class TrajectoryReader:
                 )
         return good
 
+    def release(self) -> int:
+        """Put back, undelivered, what this reader took from the stream and never handed out or handed out
+        and got back (:meth:`give_back`): queued to rank oldest first, or held for a later step. A learner
+        that ends between steps calls it, so nothing it did not train stays pending on it; the next reader,
+        of a resumed run or not, reads them like any new group (under new entry ids, at the stream's end).
+        How many went back."""
+        ids = [eid for eid, _, _ in self._backlog] + [b.entry_id for b in self._held]
+        self._send(Settlement())  # the consumed count, less what was given back, before this reader goes
+        released = 0
+        for s in range(0, len(ids), _RECOVER_PAGE):
+            released += int(
+                self._scripts.release(keys=[self.keys.trajectories], args=[LEARNER_GROUP, *ids[s : s + _RECOVER_PAGE]])
+            )
+        for b in self._held:
+            self._inflight.pop(b.entry_id, None)
+        self._backlog.clear()
+        self._queued.clear()
+        self._held = []
+        return released
+
     # -- acknowledging ---------------------------------------------------------------------------------
     def ack(self, entry_ids: list[str]) -> None:
         """Acknowledge (and delete) entries after the optimizer step that used them; repeats are no-ops."""

@@ -131,6 +131,26 @@ if ARGV[4] ~= '0' then redis.call('HINCRBY', KEYS[2], 'consumed', ARGV[4]) end
 return out
 """
 
+# KEYS: stream. ARGV: group, then entry ids read by this consumer and never handed out.
+# Each one still pending is acknowledged, deleted and appended again with the same fields under a new id:
+# undelivered, as if never read, for whichever reader comes next. Counters, bytes and the payload key are
+# untouched (the group was neither consumed nor settled). Returns how many were released.
+RELEASE = """
+local released = 0
+for i = 2, #ARGV do
+  local id = ARGV[i]
+  if redis.call('XACK', KEYS[1], ARGV[1], id) == 1 then
+    local found = redis.call('XRANGE', KEYS[1], id, id)
+    if found[1] then
+      redis.call('XDEL', KEYS[1], id)
+      redis.call('XADD', KEYS[1], '*', unpack(found[1][2]))
+      released = released + 1
+    end
+  end
+end
+return released
+"""
+
 
 class Scripts:
     """The scripts registered on one client (EVALSHA, reloaded transparently after a SCRIPT FLUSH)."""
@@ -138,6 +158,7 @@ class Scripts:
     def __init__(self, client: redis.Redis) -> None:
         self.put = client.register_script(PUT)
         self.settle = client.register_script(SETTLE)
+        self.release = client.register_script(RELEASE)
 
 
 def ensure_group(client: redis.Redis, stream: str, group: str) -> None:

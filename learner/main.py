@@ -148,7 +148,8 @@ class Learner:
             batch, stop = [], GO_ON
             with spans.span("wait_data", step=state.step + 1):  # the buffer's groups, and the rank broadcast
                 if zero is not None:  # admission counts from the version the servers hold, read when computed
-                    batch, stop = zero.next_batch(state.version, self.stop_signal, lambda: publisher.published)
+                    batch, stop = zero.next_batch(state.version, self.stop_signal, lambda: publisher.published,
+                                                  last=state.step + 1 >= lc.total_steps)  # fmt: skip
                 groups, stop = broadcast_groups(
                     [b.group for b in batch], payloads=[b.columnar for b in batch], device=self.device, stop=stop
                 )

@@ -103,12 +103,14 @@ class RankZero:
 
     # ----- each step
 
-    def next_batch(self, version: int, stop_signal: StopSignal, servers_version: Callable[[], int]) -> tuple[list, int]:
-        """The step's groups (buffered entries) and the word for every rank."""
+    def next_batch(
+        self, version: int, stop_signal: StopSignal, servers_version: Callable[[], int], *, last: bool = False
+    ) -> tuple[list, int]:
+        """The step's groups (buffered entries) and the word for every rank; ``last``: the run's final step."""
         batch, stop = [], GO_ON
         try:
             batch = self.feed.next_batch(
-                version, stop_requested=lambda: stop_signal.requested, admission_version=servers_version
+                version, stop_requested=lambda: stop_signal.requested, admission_version=servers_version, last=last
             )
         except CannotTrain as e:
             log.error("cannot_train", reason=str(e))
@@ -165,6 +167,7 @@ class RankZero:
             log.warning("run_end_not_published", error=str(e))
 
     def close(self, paths: RunPaths) -> None:
+        self.feed.release()  # before the books are written: nothing untrained left pending on this learner
         self.live.close()
         self.generations.close()
         _write_books(self.cfg, self.keys, paths.root / "buffer_stats.json")

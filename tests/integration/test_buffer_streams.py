@@ -468,3 +468,33 @@ def test_a_group_given_back_is_handed_out_again_or_dropped_once_stale(client: re
     s = assert_balanced(client)
     assert (s["buffer/acknowledged"], s["buffer/dropped_stale"], s["buffer/consumed"]) == (3, 1, 3)
     assert s["buffer/staleness/1"] == 3 and s["buffer/pending"] == 0
+
+
+def test_a_reader_ending_between_steps_puts_back_what_it_did_not_train(client: redis.Redis) -> None:
+    """A learner that finishes leaves nothing pending on it: the groups it read ahead and the ones it gave
+    back go back to the stream undelivered, whole, and the next reader reads them like new ones."""
+    c = cfg(claim_idle_ms=60_000)
+    writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
+    for seed in range(4):
+        writer.put(make_group(seed=seed))
+    got = reader.read(2, current_version=2, max_staleness=1, block_ms=300)
+    reader.ack([got[0].entry_id])
+    reader.give_back(got[1:])
+    assert buffer_stats(client, KEYS)["buffer/pending"] == 3  # one given back, two read ahead
+    assert reader.release() == 3
+    assert reader.release() == 0 and reader.unacknowledged() == 0
+    s = assert_balanced(client)
+    assert (s["buffer/pending"], s["buffer/depth"], s["buffer/consumed"], s["buffer/acknowledged"]) == (0, 3, 1, 1)
+    nxt = TrajectoryReader(client, KEYS, c, consumer="learner-0")
+    assert nxt.recover() == 0  # nothing of the first reader's is pending any more
+    rest = nxt.read(3, current_version=2, max_staleness=1, block_ms=300)
+    assert sorted(b.group.group_id for b in rest) == ["group-1", "group-2", "group-3"]
+    for b in rest:  # whole: the same tokens as written
+        sent = make_group(seed=int(b.group.group_id.removeprefix("group-")))
+        np.testing.assert_array_equal(
+            b.group.trajectories[0].completion_token_ids, sent.trajectories[0].completion_token_ids
+        )
+    nxt.ack([b.entry_id for b in rest])
+    s = assert_balanced(client)
+    assert (s["buffer/pending"], s["buffer/depth"], s["buffer/consumed"], s["buffer/acknowledged"]) == (0, 0, 4, 4)
+    assert client.keys(KEYS.payload("*")) == []  # the payloads were kept for them, then freed with the acks

@@ -4,7 +4,9 @@ On a real Redis with the learner's own feed, the prompts stream and the trajecto
 rollout server (the buffer's own server-side calls) that finishes the first version's last two prompts
 late — the long completions. With ``stale_wait_s`` the step at version 1 trains exactly those two (the
 newer groups that arrived first wait one step); with ``stale_wait_s: 0`` it trains the newer ones and the
-late pair is dropped as stale at version 2: the length bias docs/STALENESS.md describes.
+late pair is dropped as stale at version 2: the length bias docs/STALENESS.md describes. The run's last
+step does not wait (no later step would train what it waited for), and what it read and did not train goes
+back to the stream when the feed ends.
 """
 
 from __future__ import annotations
@@ -33,8 +35,12 @@ def _group(entry_id: str, *, version: int, tokens: int):
     return g
 
 
-@pytest.mark.parametrize("wait_s", [30.0, 0.0], ids=["wait", "no-wait"])
-def test_the_late_groups_of_an_old_version_are_trained_before_they_expire(redis_url: str, wait_s: float) -> None:
+@pytest.mark.parametrize(
+    ("wait_s", "last"), [(30.0, False), (0.0, False), (30.0, True)], ids=["wait", "no-wait", "last"]
+)
+def test_the_late_groups_of_an_old_version_are_trained_before_they_expire(
+    redis_url: str, wait_s: float, last: bool
+) -> None:
     cfg = TetherConfig.model_validate(
         {"run": {"run_id": "stalewait"}, "buffer": {"redis_url": redis_url},
          "learner": {"data_path": "demo:charclass", "train_batch_size": B},
@@ -63,10 +69,22 @@ def test_the_late_groups_of_an_old_version_are_trained_before_they_expire(redis_
         finish(eid, version=1)
     late = threading.Thread(target=lambda: [time.sleep(0.5), *(finish(e, version=0, tokens=200) for e in first[2:])])
     late.start()
-    step1 = feed.next_batch(1)
+    step1 = feed.next_batch(1, last=last)
     late.join()
     trained = {b.group.group_id for b in step1}
-    assert (feed.stale_wait_s > 0) == bool(wait_s)  # logged as timing/wait_stale
+    assert (feed.stale_wait_s > 0) == (bool(wait_s) and not last)  # logged as timing/wait_stale
+    if last:
+        assert trained == {PROMPT_GROUP_PREFIX + e for e in newer}
+        feed.ack(step1)
+        # one of the late pair handed out and given back, the other read ahead: both pending on the learner
+        feed.reader.give_back(feed.reader.read(1, current_version=1, max_staleness=STALENESS, block_ms=500))
+        assert buffer_stats(client, keys)["buffer/pending"] == 2
+        feed.release()
+        s = buffer_stats(client, keys)
+        # nothing left pending on the learner; the late pair waits, undelivered, for a resumed run
+        assert (s["buffer/pending"], s["buffer/depth"], s["buffer/acknowledged"]) == (0, 2, 4)
+        client.close()
+        return
     if wait_s:
         assert trained == {PROMPT_GROUP_PREFIX + e for e in first[2:]}  # the long ones, before they expire
         feed.ack(step1)
