@@ -131,7 +131,8 @@ if ARGV[4] ~= '0' then redis.call('HINCRBY', KEYS[2], 'consumed', ARGV[4]) end
 return out
 """
 
-# KEYS: stream. ARGV: group, then entry ids read by this consumer and never handed out.
+# KEYS: stream. ARGV: group, then entry ids read by this consumer and not trained (never handed out, or
+# handed out and given back).
 # Each one still pending is acknowledged, deleted and appended again with the same fields under a new id:
 # undelivered, as if never read, for whichever reader comes next. Counters, bytes and the payload key are
 # untouched (the group was neither consumed nor settled). Returns how many were released.

@@ -166,10 +166,9 @@ class Feed:
                     f"no trajectory group for {timeout:.0f}s (learner.read_timeout_s) — are rollout servers running "
                     f"for run {self.cfg.run.run_id!r}?"
                 )
-        if last:
-            self.stale_wait_s = 0.0
-            return got
-        return self._with_due(got, version, stop_requested=stop_requested, admission_version=admission_version)
+        return self._with_due(
+            got, version, stop_requested=stop_requested, admission_version=admission_version, last=last
+        )
 
     def _with_due(
         self,
@@ -178,6 +177,7 @@ class Feed:
         *,
         stop_requested: Callable[[], bool] | None,
         admission_version: Callable[[], int] | None,
+        last: bool,
     ) -> list[BufferedGroup]:
         """The step's batch, with every group that would be too old for the next step in it: waits (up to
         ``algorithm.stale_wait_s``) for the prompts issued ``max_staleness`` versions ago that a server is still
@@ -186,7 +186,7 @@ class Feed:
         ones the bound dropped (docs/STALENESS.md)."""
         algo, want = self.cfg.algorithm, self.cfg.learner.train_batch_size
         self.stale_wait_s = 0.0
-        if not algo.stale_wait_s or len(got) < want or self.source is None:
+        if last or not algo.stale_wait_s or len(got) < want or self.source is None:
             return got
         issued_by = version - algo.max_staleness  # issued then or before: stale at the next version
         started = time.monotonic()
