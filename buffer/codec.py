@@ -13,12 +13,12 @@ One codec writes a group, wherever it travels: the columnar group of :mod:`buffe
 ``col``: a JSON header and the group's per-token arrays concatenated, decoded into numpy views without
 Python work per token). The learner's rank 0 forwards the very bytes it read to its other ranks
 (:func:`decode_group_columnar` hands them out beside the group; :func:`learner.batch.broadcast_groups`
-sends them), so no group is encoded twice. The protobuf ``TrajectoryGroup`` (codec ``pb``) is read only,
-for old data: entries written before the columnar codec that a Redis outliving an upgrade can still hold
-(:mod:`buffer.wire`); nothing writes it. Either is zlib-compressed only when asked and above a size
-threshold: per-token arrays of random log-probs barely compress, and compression costs far more CPU than
-Redis spends storing the bytes, so it pays only on slow links. Nothing here is ever pickled; a payload that
-is not a valid group raises :class:`InvalidTrajectory`.
+sends them), so no group is encoded twice. It is zlib-compressed (codec ``colz``) only when asked and
+above a size threshold: per-token arrays of random log-probs barely compress, and compression costs far
+more CPU than Redis spends storing the bytes, so it pays only on slow links. Nothing here is ever pickled;
+a payload that is not a valid group raises :class:`InvalidTrajectory`, and so does one of any other codec
+tag — the protobuf ``pb``/``pbz`` of development builds before the columnar codec included, which nothing
+reads any more — so the reader dead-letters it with that reason.
 """
 
 from __future__ import annotations
@@ -29,19 +29,11 @@ from dataclasses import dataclass
 
 from buffer.columnar import decode_columnar, encode_columnar
 from buffer.lengths import encode_counts
-from buffer.wire import decode_group_checked
 from tether.trajectory import GroupData, InvalidTrajectory
 
 CODEC_COLUMNAR = b"col"
 CODEC_COLUMNAR_ZLIB = b"colz"
-CODEC_PROTOBUF = b"pb"  # read only, for old data: entries written before the columnar codec
-CODEC_PROTOBUF_ZLIB = b"pbz"
-_DECODERS = {  # codec -> (decoder, zlib-compressed)
-    CODEC_COLUMNAR: (decode_columnar, False),
-    CODEC_COLUMNAR_ZLIB: (decode_columnar, True),
-    CODEC_PROTOBUF: (decode_group_checked, False),
-    CODEC_PROTOBUF_ZLIB: (decode_group_checked, True),
-}
+_COMPRESSED = {CODEC_COLUMNAR: False, CODEC_COLUMNAR_ZLIB: True}  # every codec this reader knows
 
 # A decompressed group larger than protobuf's own message limit cannot be valid: stop there rather
 # than let a hostile or corrupt payload inflate without bound (a "zip bomb").
@@ -99,15 +91,15 @@ def _inflate(payload: bytes) -> bytes:
 def decode_group_columnar(codec: bytes, payload: bytes) -> tuple[GroupData, int, bytes]:
     """``(group, oldest policy version, columnar bytes)`` from one validating pass; the bytes are the
     group's columnar encoding as read (inflated when compressed; the group's arrays are views into them),
-    ready to travel on without encoding again — ``b""`` for a legacy protobuf payload, which has none."""
+    ready to travel on without encoding again."""
     try:
-        decode, compressed = _DECODERS[codec]
+        compressed = _COMPRESSED[codec]
     except (KeyError, TypeError):
-        known = ", ".join(repr(c) for c in _DECODERS)
+        known = ", ".join(repr(c) for c in _COMPRESSED)
         raise InvalidTrajectory(f"unknown payload codec {bytes(codec[:32])!r} (this reader knows {known})") from None
     data = _inflate(payload) if compressed else payload
-    group, oldest = decode(data)
-    return group, oldest, bytes(data) if decode is decode_columnar else b""
+    group, oldest = decode_columnar(data)
+    return group, oldest, bytes(data)
 
 
 def decode_group_payload(codec: bytes, payload: bytes) -> tuple[GroupData, int]:

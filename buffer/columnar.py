@@ -2,9 +2,9 @@
 then each per-token array of the whole group concatenated, so that neither side does Python work per
 token or per array field.
 
-This is the one codec a group is written in (the stream, dead letters, the learner's rank broadcast).
-Why not the protobuf ``TrajectoryGroup`` (:mod:`buffer.wire`, now only a reader of entries written before
-this format): at 1K-token completions Redis moves a G=8 group in ~330 µs, and walking the protobuf wire
+This is the one codec a group is written and read in (the stream, dead letters, the learner's rank
+broadcast). Why not a protobuf ``tether.v1.TrajectoryGroup``, the format before this one (nothing reads it
+any more): at 1K-token completions Redis moves a G=8 group in ~330 µs, and walking the protobuf wire
 format in Python costs ~40 fields and ~30 µs per trajectory each way. Here encoding is one
 ``struct.pack`` of the numbers, one ``json.dumps`` of the strings and one ``b"".join`` over the arrays'
 own buffers; decoding is one ``struct.unpack_from``, one ``json.loads``, five
@@ -288,18 +288,7 @@ def _check_header(head: object, g: int) -> None:
 
 def decode_columnar(data: bytes) -> tuple[GroupData, int]:
     """``(group, oldest policy version)``, validated; the per-token arrays are read-only views into ``data``."""
-    if data[:3] != MAGIC:
-        raise InvalidTrajectory(f"not a columnar trajectory group (starts with {bytes(data[:4])!r})")
-    if len(data) < _PREFIX.size:
-        raise InvalidTrajectory(f"columnar payload of {len(data)} bytes is shorter than its {_PREFIX.size}-byte prefix")
-    _, version, g, hlen, _ = _PREFIX.unpack_from(data)
-    if version != VERSION:
-        raise InvalidTrajectory(
-            f"columnar payload version {version}; this reader knows version {VERSION} — "
-            "upgrade the learner to read entries written by newer rollout servers"
-        )
-    if not 0 < g <= _MAX_GROUP:
-        raise InvalidTrajectory(f"columnar payload: a group of {g} trajectories (1 to {_MAX_GROUP} allowed)")
+    g, hlen = _read_prefix(data)
     numbers = _numbers(g)
     start = _PREFIX.size + numbers.size + hlen
     if start > len(data):
@@ -350,3 +339,20 @@ def decode_columnar(data: bytes) -> tuple[GroupData, int]:
     )
     oldest = _check_columns(views, trajectories)
     return GroupData(group_id=gid, trajectories=trajectories, prompt_id=head["p"], metadata=head["m"]), oldest
+
+
+def _read_prefix(data: bytes) -> tuple[int, int]:
+    """``(G, H)`` from the payload's fixed prefix: its magic, version and group size checked."""
+    if data[:3] != MAGIC:
+        raise InvalidTrajectory(f"not a columnar trajectory group (starts with {bytes(data[:4])!r})")
+    if len(data) < _PREFIX.size:
+        raise InvalidTrajectory(f"columnar payload of {len(data)} bytes is shorter than its {_PREFIX.size}-byte prefix")
+    _, version, g, hlen, _ = _PREFIX.unpack_from(data)
+    if version != VERSION:
+        raise InvalidTrajectory(
+            f"columnar payload version {version}; this reader knows version {VERSION} — "
+            "upgrade the learner to read entries written by newer rollout servers"
+        )
+    if not 0 < g <= _MAX_GROUP:
+        raise InvalidTrajectory(f"columnar payload: a group of {g} trajectories (1 to {_MAX_GROUP} allowed)")
+    return g, hlen

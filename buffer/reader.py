@@ -51,7 +51,7 @@ class BufferedGroup:
     group: GroupData
     staleness: int
     # The group's columnar payload as read (its arrays are views into it): what the learner's rank 0
-    # forwards to its other ranks without encoding again; b"" for a legacy protobuf entry.
+    # forwards to its other ranks without encoding again; b"" for a group not read from the buffer.
     columnar: bytes = b""
 
 

@@ -39,7 +39,7 @@ import numpy as np
 import redis
 
 from buffer import BufferedGroup
-from buffer.codec import CODEC_COLUMNAR, CODEC_PROTOBUF, decode_group_payload
+from buffer.codec import CODEC_COLUMNAR, decode_group_payload
 from buffer.columnar import MAGIC
 from buffer.keys import RedisKeys
 from buffer.replies import text
@@ -285,10 +285,9 @@ def _payload(f: dict, reason: str) -> tuple[GroupData | None, pb.Prompt | None]:
         raw = f.get("p") or f.get("data")
         if not raw:
             return None, None
-        if "p" not in f and "bad prompt" not in reason:
+        if "p" not in f and "bad prompt" not in reason and raw[:3] == MAGIC:  # a rollout server's group
             try:
-                codec = CODEC_COLUMNAR if raw[:3] == MAGIC else CODEC_PROTOBUF  # protobuf: a record from before
-                group = decode_group_payload(codec, raw)[0]
+                group = decode_group_payload(CODEC_COLUMNAR, raw)[0]
                 if group.trajectories:
                     return group, None
             except Exception:  # not a group: read as a prompt below

@@ -25,7 +25,7 @@ from buffer import (
 from buffer.columnar import encode_columnar
 from tests.unit.test_buffer_codec import make_group
 from tether.config.buffer import BufferConfig
-from tether.trajectory import InvalidTrajectory, encode_group
+from tether.trajectory import InvalidTrajectory
 from tether.v1.trajectory_pb2 import Prompt
 
 KEYS = RedisKeys("t")
@@ -207,8 +207,8 @@ def test_corrupt_entries_are_dead_lettered_while_others_flow(client: redis.Redis
     c = cfg()
     writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
     writer.put(make_group(seed=0))
-    client.xadd(KEYS.trajectories, {"g": "bad-1", "v": "2", "c": "pb", "n": "9", "d": b"\xff\x00garbage"})
-    client.xadd(KEYS.trajectories, {"g": "bad-2", "c": "pb", "d": pickle.dumps({"group_id": "x"})})
+    client.xadd(KEYS.trajectories, {"g": "bad-1", "v": "2", "c": "col", "n": "9", "d": b"\xff\x00garbage"})
+    client.xadd(KEYS.trajectories, {"g": "bad-2", "c": "col", "d": pickle.dumps({"group_id": "x"})})
     client.xadd(KEYS.trajectories, {"something": "else"})
     writer.put(make_group(seed=1))
     got = reader.read(5, current_version=2, max_staleness=1, block_ms=300)
@@ -225,11 +225,12 @@ def test_corrupt_entries_are_dead_lettered_while_others_flow(client: redis.Redis
 
 
 def test_older_and_newer_payload_formats(client: redis.Redis) -> None:
-    """A protobuf entry written before the columnar codec is still delivered; a columnar payload of a version
-    this reader does not know is dead-lettered saying so, and the entries around it flow."""
+    """An entry in the protobuf codec of development builds (``pb``, no longer read) and a columnar payload of
+    a version this reader does not know are dead-lettered saying so, counted, their bytes and payload keys
+    released, and the entries around them flow."""
     c = cfg()
     writer, reader = TrajectoryWriter(client, KEYS, c), TrajectoryReader(client, KEYS, c)
-    old = encode_group(make_group(seed=5))
+    old = b"\x0a\x07group-5\x12\x031-0"  # how a protobuf TrajectoryGroup began: its group and prompt ids
     client.set(KEYS.payload("old-1"), old)
     client.xadd(KEYS.trajectories, {"g": "group-5", "v": "1", "c": "pb", "n": len(old), "k": "old-1"})
     newer = bytes(encode_columnar(make_group(seed=6))[0])
@@ -237,13 +238,19 @@ def test_older_and_newer_payload_formats(client: redis.Redis) -> None:
     client.xadd(KEYS.trajectories, {"g": "group-6", "v": "1", "c": "col", "n": len(newer), "d": newer})
     writer.put(make_group(seed=7))
     got = reader.read(3, current_version=2, max_staleness=1, block_ms=300)
-    assert [b.group.group_id for b in got] == ["group-5", "group-7"]
+    assert [b.group.group_id for b in got] == ["group-7"]
     np.testing.assert_array_equal(got[0].group.trajectories[2].behavior_logprobs,
-                                  make_group(seed=5).trajectories[2].behavior_logprobs)  # fmt: skip
+                                  make_group(seed=7).trajectories[2].behavior_logprobs)  # fmt: skip
     reader.ack([b.entry_id for b in got])
-    ((_, dead),) = client.xrange(KEYS.dead_letter)
-    assert b"columnar payload version 2; this reader knows version 1" in dead[b"reason"]
-    assert client.keys(KEYS.payload("*")) == []  # the old entry's payload key went with its ack
+    reasons = [fields[b"reason"] for _, fields in client.xrange(KEYS.dead_letter)]
+    assert [r.decode() for r in reasons] == [
+        "undecodable: unknown payload codec b'pb' (this reader knows b'col', b'colz')",
+        "undecodable: columnar payload version 2; this reader knows version 1 — upgrade the learner to read "
+        "entries written by newer rollout servers",
+    ]
+    s = buffer_stats(client, KEYS)
+    assert (s["buffer/dead_letter"], s["buffer/acknowledged"], s["buffer/depth"], s["buffer/bytes"]) == (2, 1, 0, 0)
+    assert client.keys(KEYS.payload("*")) == []  # the old entry's payload key went with its dead letter
 
 
 def test_entries_delivered_too_often_are_dead_lettered(client: redis.Redis) -> None:

@@ -3,8 +3,9 @@
 test_buffer_streams.py covers one garbage payload, one pickle and one entry with foreign fields. This
 adds what an attacker with write access to Redis (or a buggy producer in another language) could
 send: a pickle whose unpickling would create a file — inline, in a payload key and zlib-compressed,
-in the trajectories and the prompts streams — valid protobufs of the wrong message type, a zlib
-bomb, and hypothesis-generated entries and byte-flipped real payloads. Nothing may raise out of the
+in the trajectories and the prompts streams — valid protobufs of the wrong message type, entries of an
+unknown codec (the protobuf ``pb``/``pbz`` groups of development builds among them), a zlib bomb, and
+hypothesis-generated entries and byte-flipped real payloads. Nothing may raise out of the
 reader, nothing may be executed, and every entry ends in exactly one ledger counter.
 """
 
@@ -21,11 +22,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from buffer import PromptQueue, RedisKeys, TrajectoryReader, TrajectoryWriter, buffer_stats
-from buffer.codec import CODEC_COLUMNAR, CODEC_PROTOBUF, decode_group_payload, encode_payload
+from buffer.codec import CODEC_COLUMNAR, CODEC_COLUMNAR_ZLIB, decode_group_payload, encode_payload
 from tests.integration.test_fuzz_grpc import FUZZ
 from tests.unit.test_buffer_codec import make_group
 from tether.config.buffer import BufferConfig
-from tether.trajectory import InvalidTrajectory, encode_group
+from tether.trajectory import InvalidTrajectory
 from tether.v1 import control_pb2, reward_pb2, trajectory_pb2
 
 
@@ -83,15 +84,21 @@ def test_pickles_are_dead_lettered_and_never_unpickled(client: redis.Redis, tmp_
     bait = evil_pickle(marker)
     writer = TrajectoryWriter(client, keys, cfg())
     writer.put(make_group(seed=0))
-    client.xadd(keys.trajectories, {"g": "inline", "v": "1", "c": "pb", "n": str(len(bait)), "d": bait})
-    client.xadd(keys.trajectories, {"g": "zlib", "v": "1", "c": "pbz", "d": zlib.compress(bait)})
+    client.xadd(keys.trajectories, {"g": "inline", "v": "1", "c": "col", "n": str(len(bait)), "d": bait})
+    client.xadd(keys.trajectories, {"g": "zlib", "v": "1", "c": "colz", "d": zlib.compress(bait)})
     client.xadd(keys.trajectories, {"g": "pickle-codec", "v": "1", "c": "pickle", "d": bait})
     client.set(keys.payload("n1"), bait)
-    client.xadd(keys.trajectories, {"g": "keyed", "v": "1", "c": "pb", "n": str(len(bait)), "k": "n1"})
+    client.xadd(keys.trajectories, {"g": "keyed", "v": "1", "c": "col", "n": str(len(bait)), "k": "n1"})
     writer.put(make_group(seed=1))
     assert drain(client, keys) == ["group-0", "group-1"]
     dead = client.xrange(keys.dead_letter)
-    assert [f[b"reason"].startswith(b"undecodable") for _, f in dead] == [True] * 4
+    # Under the columnar tags (inline, inflated, keyed) the decoder saw the pickle and refused it; under a tag of
+    # its own, the tag was refused.
+    refused, unknown = b"undecodable: not a columnar trajectory group", b"undecodable: unknown payload codec b'pickle'"
+    reasons = [f[b"reason"] for _, f in dead]
+    assert len(reasons) == 4, reasons
+    for reason, want in zip(reasons, [refused, refused, unknown, refused], strict=True):
+        assert reason.startswith(want), reason
     assert not marker.exists()
 
     queue = PromptQueue(client, keys, claim_idle_ms=100)
@@ -107,27 +114,32 @@ def test_pickles_are_dead_lettered_and_never_unpickled(client: redis.Redis, tmp_
     "payload",
     [
         trajectory_pb2.Prompt(prompt_id="p", text="x", token_ids=[1, 2]).SerializeToString(),
-        trajectory_pb2.Trajectory(id="t", group_id="g").SerializeToString(),
+        control_pb2.CommitWeightUpdateRequest(version=3, update_id="u").SerializeToString(),
         reward_pb2.ScoreRequest(prompt="p", completion="c", reward_context={"a": "b"}).SerializeToString(),
         control_pb2.WeightUpdatePlan(version=3, update_id="u", filesystem={"path": "/"}).SerializeToString(),
-        trajectory_pb2.TrajectoryGroup(group_id="g-empty").SerializeToString(),
+        reward_pb2.ScoreResponse().SerializeToString(),
         b"",
     ],
-    ids=["prompt", "trajectory", "score-request", "weight-plan", "empty-group", "empty"],
+    ids=["prompt", "commit-request", "score-request", "weight-plan", "empty-message", "empty"],
 )
-def test_wrong_message_types_are_dead_lettered(client: redis.Redis, payload: bytes) -> None:
+@pytest.mark.parametrize("codec", [b"col", b"pb"])
+def test_wrong_message_types_are_dead_lettered(client: redis.Redis, payload: bytes, codec: bytes) -> None:
+    """Under the columnar tag the decoder refuses them; under the protobuf ``pb`` tag of development builds
+    (no longer read) the tag alone is refused. Either way: dead-lettered with the reason, and counted."""
     keys = fresh_keys()
-    client.xadd(keys.trajectories, {"g": "foreign", "v": "1", "c": "pb", "d": payload})
+    client.xadd(keys.trajectories, {"g": "foreign", "v": "1", "c": codec, "d": payload})
     assert drain(client, keys) == []
     ((_, dead),) = client.xrange(keys.dead_letter)
-    assert dead[b"reason"].startswith(b"undecodable")
+    want = b"not a columnar trajectory group" if codec == b"col" else b"unknown payload codec b'pb'"
+    assert dead[b"reason"].startswith(b"undecodable: " + want), dead[b"reason"]
+    assert buffer_stats(client, keys)["buffer/dead_letter"] == 1
 
 
 def test_zlib_bomb_is_refused_without_inflating_it() -> None:
-    # 1 GiB of zeros in about 1 MiB; the decoder must stop at its limit or at the protobuf parse.
+    # 64 MiB of zeros in about 64 KiB; the decoder must stop at its limit or at the columnar parse.
     bomb = zlib.compress(b"\x00" * (64 << 20), 9)
-    with pytest.raises(InvalidTrajectory):
-        decode_group_payload(b"pbz", bomb)
+    with pytest.raises(InvalidTrajectory, match="not a columnar trajectory group"):
+        decode_group_payload(CODEC_COLUMNAR_ZLIB, bomb)
 
 
 @FUZZ
@@ -138,6 +150,7 @@ def test_zlib_bomb_is_refused_without_inflating_it() -> None:
 def test_decoder_raises_only_invalid_trajectory(data: bytes, codec: bytes) -> None:
     try:
         group, _ = decode_group_payload(codec, zlib.compress(data) if codec in (b"pbz", b"colz") else data)
+        assert codec in (CODEC_COLUMNAR, CODEC_COLUMNAR_ZLIB)  # any other tag is refused, whatever the bytes
     except InvalidTrajectory:
         return
     assert group.group_id  # a random blob that parses must still be a whole, valid group
@@ -145,7 +158,7 @@ def test_decoder_raises_only_invalid_trajectory(data: bytes, codec: bytes) -> No
 
 _VALID = {
     CODEC_COLUMNAR: bytes(encode_payload(make_group(seed=3))[1]),
-    CODEC_PROTOBUF: encode_group(make_group(seed=3)),
+    CODEC_COLUMNAR_ZLIB: zlib.compress(bytes(encode_payload(make_group(seed=3))[1])),
 }
 
 
@@ -156,7 +169,7 @@ _VALID = {
 )
 def test_byte_flipped_payloads(codec: bytes, flips: list[tuple[int, int]]) -> None:
     """Corruption of a real payload (a bad disk, a truncated copy) is caught, not half-decoded into a crash:
-    today's columnar payloads and the protobuf ones written before them."""
+    columnar payloads, plain and zlib-compressed."""
     data = bytearray(_VALID[codec])
     for pos, xor in flips:
         data[pos % len(data)] ^= xor
@@ -169,7 +182,9 @@ def test_byte_flipped_payloads(codec: bytes, flips: list[tuple[int, int]]) -> No
 
 
 _FIELD = st.sampled_from([b"g", b"v", b"c", b"n", b"k", b"d", b"x", b"\x00"])
-_VALUE = st.one_of(st.binary(max_size=64), st.sampled_from([b"pb", b"pbz", b"-1", b"99999999999999999999", b"nan"]))
+_VALUE = st.one_of(
+    st.binary(max_size=64), st.sampled_from([b"col", b"colz", b"pb", b"pbz", b"-1", b"99999999999999999999", b"nan"])
+)
 
 
 @FUZZ
@@ -189,7 +204,7 @@ def test_random_stream_entries_never_stop_the_reader(client: redis.Redis, entrie
 def test_a_huge_byte_count_does_not_wedge_the_reader(client: redis.Redis) -> None:
     """Found by the fuzz above: ``n`` of 1e17 broke the settle script (Lua floats), so every read failed."""
     keys = fresh_keys()
-    client.xadd(keys.trajectories, {"g": "huge", "v": "1", "c": "pb", "n": b"99999999999999992", "d": b"\xff"})
+    client.xadd(keys.trajectories, {"g": "huge", "v": "1", "c": "col", "n": b"99999999999999992", "d": b"\xff"})
     TrajectoryWriter(client, keys, cfg()).put(make_group(seed=0))
     assert drain(client, keys) == ["group-0"]
     assert buffer_stats(client, keys)["buffer/bytes"] == 0

@@ -9,13 +9,22 @@ import struct
 import numpy as np
 import pytest
 
-from buffer.codec import CODEC_COLUMNAR, CODEC_PROTOBUF, decode_group_payload, encode_group_payload
+from buffer.codec import CODEC_COLUMNAR, decode_group_payload, encode_group_payload
 from buffer.columnar import decode_columnar, encode_columnar
 from tests.unit.test_buffer_codec import make_group
-from tether.trajectory import GroupData, InvalidTrajectory, TrajectoryData, encode_group, validate
-from tether.v1 import trajectory_pb2 as pb
+from tether.trajectory import (
+    LOGPROB_DTYPE,
+    MASK_DTYPE,
+    TOKEN_DTYPE,
+    VERSION_DTYPE,
+    GroupData,
+    InvalidTrajectory,
+    TrajectoryData,
+    validate,
+)
 
 _ARRAYS = ("prompt_token_ids", "completion_token_ids", "behavior_logprobs", "policy_versions", "loss_mask")
+_WIRE_DTYPES = dict(zip(_ARRAYS, (TOKEN_DTYPE, TOKEN_DTYPE, LOGPROB_DTYPE, VERSION_DTYPE, MASK_DTYPE), strict=True))
 _SCALARS = (
     "reward",
     "reward_components",
@@ -83,15 +92,16 @@ def test_decoded_arrays_are_read_only_views_into_the_payload() -> None:
             assert np.shares_memory(arr, np.frombuffer(payload, np.uint8))
 
 
-def test_arrays_of_other_dtypes_are_converted_like_the_protobuf_path() -> None:
+def test_arrays_of_other_dtypes_are_converted_to_the_wire_dtypes() -> None:
     group = make_group(g=2)
     group.trajectories[0].completion_token_ids = group.trajectories[0].completion_token_ids.astype(np.int64)
     group.trajectories[1].behavior_logprobs = group.trajectories[1].behavior_logprobs.astype(np.float64)[::-1].copy()
+    group.trajectories[1].policy_versions = group.trajectories[1].policy_versions.astype(np.int64)
     back = decode_columnar(bytes(encode_columnar(group)[0]))[0]
-    reference = decode_group_payload(CODEC_PROTOBUF, encode_group(group))[0]
-    for got, want in zip(back.trajectories, reference.trajectories, strict=True):
+    for got, want in zip(back.trajectories, group.trajectories, strict=True):
         for name in _ARRAYS:
-            np.testing.assert_array_equal(getattr(got, name), getattr(want, name), strict=True)
+            expected = np.asarray(getattr(want, name)).astype(_WIRE_DTYPES[name])
+            np.testing.assert_array_equal(getattr(got, name), expected, strict=True)  # values and dtype
 
 
 def test_arrays_that_do_not_fit_the_wire_are_refused_not_cut() -> None:
@@ -186,6 +196,7 @@ def _with_numbers(payload: bytes, *, nc: list[int] | None = None, np_: list[int]
     ("changes", "match"),
     [
         ({"id": ["a", 2, "c", "d"]}, "'id' is not a list of 4 strs"),
+        ({"id": ["a", "", "c", "d"]}, "trajectory has no id"),
         ({"s": ["a"]}, "'s' is not a list of 4"),
         ({"tm": [{}, {}, {}, {"a": 1}]}, "trajectory metadata"),
         ({"rc": [{}, {}, {}, {"a": "x"}]}, "reward components"),
@@ -227,7 +238,7 @@ def test_another_version_or_format_is_refused_with_the_reason() -> None:
     with pytest.raises(InvalidTrajectory, match="version 2; this reader knows version 1"):
         decode_group_payload(CODEC_COLUMNAR, payload[:3] + b"\x02" + payload[4:])
     with pytest.raises(InvalidTrajectory, match="not a columnar trajectory group"):
-        decode_group_payload(CODEC_COLUMNAR, encode_group(make_group()))
+        decode_group_payload(CODEC_COLUMNAR, b"\x0a\x07group-0\x12\x031-0")  # a protobuf group's first bytes
     start = 16 + 36 * 4
     with pytest.raises(InvalidTrajectory, match="header is not JSON"):
         decode_columnar(payload[:start] + b"x" + payload[start + 1 :])
@@ -237,9 +248,66 @@ def test_another_version_or_format_is_refused_with_the_reason() -> None:
         decode_columnar(payload[:-1])
 
 
-def test_protobuf_payloads_written_before_still_decode() -> None:
-    group = make_group(rich=True)
-    back, oldest = decode_group_payload(CODEC_PROTOBUF, encode_group(group))
-    assert oldest == group.oldest_version
-    assert back.trajectories[1].finish_reason == pb.FINISH_REASON_STOP
-    np.testing.assert_array_equal(back.trajectories[3].behavior_logprobs, group.trajectories[3].behavior_logprobs)
+# The tail of make_group()'s payload (4 trajectories of 16 completion and 5 prompt tokens), from its end:
+# loss_mask u1[64], prompt_token_ids i4[20], policy_versions i4[64], completion_token_ids i4[64].
+_TAIL = {"loss_mask": (-64, 1), "prompt_token_ids": (-144, 4), "policy_versions": (-400, 4),
+         "completion_token_ids": (-656, 4)}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("column", "index", "value", "message"),
+    [
+        ("loss_mask", 16 + 3, 2, "loss_mask values must be 0 or 1"),
+        ("prompt_token_ids", 5 + 1, -1, "negative token id"),
+        ("completion_token_ids", 16 + 15, -7, "negative token id"),
+        ("policy_versions", 16, -1, "negative policy version"),
+    ],
+)
+def test_decode_refuses_bad_values_as_validate_does(column: str, index: int, value: int, message: str) -> None:
+    """A payload no encoder would write (a corrupt copy, a foreign writer): the reader refuses it with the message
+    :func:`~tether.trajectory.validate` gives, naming the trajectory (the second: ``index`` falls in it)."""
+    group = make_group()
+    payload = bytearray(encode_columnar(group)[0])
+    start, size = _TAIL[column]
+    at = len(payload) + start + index * size
+    payload[at : at + size] = value.to_bytes(size, "little", signed=size > 1)
+    assert decode_columnar(bytes(encode_columnar(group)[0]))[0].group_id == group.group_id  # the untouched one
+    with pytest.raises(InvalidTrajectory) as got:
+        decode_group_payload(CODEC_COLUMNAR, bytes(payload))
+    assert str(got.value) == f"trajectory {group.trajectories[1].id}: {message}"
+
+
+@pytest.mark.parametrize(
+    "rare",
+    [
+        {"metadata": {"": "", "temperature": "0.7", "ünï": "cödé ✓"}, "reward_components": {"int": 2, "neg": -0.5}},
+        {"started_at": 1.5e-9, "finished_at": 1763900003.000000001},
+        {"started_at": -86400.25, "finished_at": 1e12},  # before 1970, past year 9999
+        {"reward": float("inf"), "reward_components": {"nan": float("nan")}},
+    ],
+)
+def test_rare_maps_timestamps_and_numbers_round_trip(rare: dict) -> None:
+    group = make_group(seed=5)
+    group.metadata = {"dataset_index": "7", "": "empty key"}
+    for t in group.trajectories:
+        for name, value in rare.items():
+            setattr(t, name, value)
+    back = decode_columnar(bytes(encode_columnar(group)[0]))[0]
+    assert back.metadata == group.metadata
+    for got, want in zip(back.trajectories, group.trajectories, strict=True):
+        for name in ("metadata", "started_at", "finished_at", "reward"):
+            assert getattr(got, name) == getattr(want, name), name
+        assert got.reward_components.keys() == want.reward_components.keys()
+        for k, v in want.reward_components.items():  # nan != nan: compare as floats, nan matching nan
+            assert np.isclose(got.reward_components[k], v, rtol=0, atol=0, equal_nan=True), k
+
+
+def test_a_group_without_completion_tokens_has_oldest_version_minus_one() -> None:
+    group = make_group(tokens=0, g=2)
+    payload, oldest, tokens = encode_columnar(group)
+    assert (oldest, tokens) == (-1, 0)
+    back, back_oldest = decode_columnar(bytes(payload))
+    assert back_oldest == back.oldest_version == -1
+    assert [t.prompt_token_ids.tolist() for t in back.trajectories] == [
+        t.prompt_token_ids.tolist() for t in group.trajectories
+    ]

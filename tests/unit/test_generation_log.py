@@ -142,25 +142,6 @@ def test_a_step_due_while_the_last_is_being_written_is_not_logged(tmp_path: Path
     assert sorted({r["step"] for r in read_records(tmp_path / GENERATIONS)[0]}) == [2]
 
 
-def test_a_dead_letter_written_before_the_columnar_codec_still_reads(tmp_path: Path, redis_client: redis.Redis) -> None:
-    """Rollout servers dead-letter a group in the columnar codec; a record written before it (protobuf: the
-    generated encoder stands in for the old writer) is still read as its group."""
-    from tether.trajectory import encode_group
-
-    keys = RedisKeys("view-legacy")
-    group = _batch()[1].group
-    dead_letter(redis_client, keys, source="rollout-0", reason=f"{group.group_id}: reward failed: old",
-                data=encode_group(group))  # fmt: skip
-    cfg = _cfg()
-    log = GenerationLog(cfg, tmp_path, client=redis_client, keys=keys, source=PromptSource(cfg))
-    log.trained(*_with_samples(_batch()), step=1, version=3)
-    log.close()
-    (record,), _ = read_records(tmp_path / DEAD_LETTERS)
-    assert record["group_id"] == group.group_id
-    assert record["prompt"] == group.trajectories[0].prompt_token_ids.tolist()
-    assert record["samples"][1]["ids"] == group.trajectories[1].completion_token_ids[:DEAD_TOKENS].tolist()
-
-
 def test_a_per_token_advantage_is_recorded_as_its_mean_over_trained_tokens() -> None:
     """A critic's GAE gives one advantage per completion token; the record keeps their mean over the tokens the
     loss used (a masked token's advantage is not in it)."""

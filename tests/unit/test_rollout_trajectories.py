@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from buffer.codec import decode_payload, encode_payload
 from rollout_server.trajectories import build_trajectory
-from tether.trajectory import TEMPERATURE_KEY, GroupData, decode_group, encode_group, validate
+from tether.trajectory import TEMPERATURE_KEY, GroupData, validate
 
 
 @pytest.mark.parametrize("mask", [None, [1, 0, 1]])
@@ -26,5 +27,5 @@ def test_build_trajectory_fills_the_contract(mask: list[int] | None) -> None:
     assert t.loss_mask.tolist() == (mask or [1, 1, 1])
     assert t.metadata == {"turns": "2", TEMPERATURE_KEY: "0.7"}  # what the learner scores the tokens at
     assert t.finished_at >= t.started_at == 10.0 and t.reward == 0.5 and t.reward_components == {"a": 1.0}
-    back = decode_group(encode_group(GroupData("g", [t]))).trajectories[0]
+    back = decode_payload(*encode_payload(GroupData("g", [t]))).trajectories[0]  # through the buffer's codec
     assert back.behavior_logprobs.tolist() == [-0.5, -1.0, -0.25]

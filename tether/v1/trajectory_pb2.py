@@ -22,38 +22,21 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atether/v1/trajectory.proto\x12\ttether.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xde\x04\n\nTrajectory\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x01(\x0c\x12\x1c\n\x14\x63ompletion_token_ids\x18\x04 \x01(\x0c\x12\x19\n\x11\x62\x65havior_logprobs\x18\x05 \x01(\x0c\x12\x17\n\x0fpolicy_versions\x18\x06 \x01(\x0c\x12\x11\n\tloss_mask\x18\x07 \x01(\x0c\x12\x0e\n\x06reward\x18\x08 \x01(\x01\x12\x46\n\x11reward_components\x18\t \x03(\x0b\x32+.tether.v1.Trajectory.RewardComponentsEntry\x12.\n\rfinish_reason\x18\n \x01(\x0e\x32\x17.tether.v1.FinishReason\x12\x11\n\tserver_id\x18\x0b \x01(\t\x12.\n\nstarted_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x35\n\x08metadata\x18\x0e \x03(\x0b\x32#.tether.v1.Trajectory.MetadataEntry\x12\x16\n\x0elogprob_source\x18\x0f \x01(\t\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd0\x01\n\x0fTrajectoryGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12+\n\x0ctrajectories\x18\x03 \x03(\x0b\x32\x15.tether.v1.Trajectory\x12:\n\x08metadata\x18\x04 \x03(\x0b\x32(.tether.v1.TrajectoryGroup.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xf6\x01\n\x06Prompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x15\n\rdataset_index\x18\x02 \x01(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12<\n\x0ereward_context\x18\x05 \x03(\x0b\x32$.tether.v1.Prompt.RewardContextEntry\x12\x19\n\x11issued_at_version\x18\x06 \x01(\x03\x12\x12\n\nmax_tokens\x18\x07 \x01(\x05\x1a\x34\n\x12RewardContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\x98\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x12\x1c\n\x18\x46INISH_REASON_ENV_CLOSED\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atether/v1/trajectory.proto\x12\ttether.v1\"\xf6\x01\n\x06Prompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x15\n\rdataset_index\x18\x02 \x01(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12<\n\x0ereward_context\x18\x05 \x03(\x0b\x32$.tether.v1.Prompt.RewardContextEntry\x12\x19\n\x11issued_at_version\x18\x06 \x01(\x03\x12\x12\n\nmax_tokens\x18\x07 \x01(\x05\x1a\x34\n\x12RewardContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\x98\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x12\x1c\n\x18\x46INISH_REASON_ENV_CLOSED\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tether.v1.trajectory_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRAJECTORY_REWARDCOMPONENTSENTRY']._loaded_options = None
-  _globals['_TRAJECTORY_REWARDCOMPONENTSENTRY']._serialized_options = b'8\001'
-  _globals['_TRAJECTORY_METADATAENTRY']._loaded_options = None
-  _globals['_TRAJECTORY_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_TRAJECTORYGROUP_METADATAENTRY']._loaded_options = None
-  _globals['_TRAJECTORYGROUP_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_PROMPT_REWARDCONTEXTENTRY']._loaded_options = None
   _globals['_PROMPT_REWARDCONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1144
-  _globals['_FINISHREASON']._serialized_end=1296
-  _globals['_TRAJECTORY']._serialized_start=75
-  _globals['_TRAJECTORY']._serialized_end=681
-  _globals['_TRAJECTORY_REWARDCOMPONENTSENTRY']._serialized_start=577
-  _globals['_TRAJECTORY_REWARDCOMPONENTSENTRY']._serialized_end=632
-  _globals['_TRAJECTORY_METADATAENTRY']._serialized_start=634
-  _globals['_TRAJECTORY_METADATAENTRY']._serialized_end=681
-  _globals['_TRAJECTORYGROUP']._serialized_start=684
-  _globals['_TRAJECTORYGROUP']._serialized_end=892
-  _globals['_TRAJECTORYGROUP_METADATAENTRY']._serialized_start=634
-  _globals['_TRAJECTORYGROUP_METADATAENTRY']._serialized_end=681
-  _globals['_PROMPT']._serialized_start=895
-  _globals['_PROMPT']._serialized_end=1141
-  _globals['_PROMPT_REWARDCONTEXTENTRY']._serialized_start=1089
-  _globals['_PROMPT_REWARDCONTEXTENTRY']._serialized_end=1141
+  _globals['_FINISHREASON']._serialized_start=291
+  _globals['_FINISHREASON']._serialized_end=443
+  _globals['_PROMPT']._serialized_start=42
+  _globals['_PROMPT']._serialized_end=288
+  _globals['_PROMPT_REWARDCONTEXTENTRY']._serialized_start=236
+  _globals['_PROMPT_REWARDCONTEXTENTRY']._serialized_end=288
 # @@protoc_insertion_point(module_scope)
