@@ -6,7 +6,7 @@ publish time with 1–8 servers pulling, a server joining at version 100, and th
 
 Hosts are network namespaces on one bridge (:mod:`bench.netns_links`), every port limited to the link rate
 each way by tbf: ``redis`` (a redis-server), ``learner`` (this script's inner half: the models, AdamW, one
-:class:`~weight_sync.store_publisher.StorePublisher` per fleet wired to Redis as ``learner/publisher.py`` wires
+:class:`~weight_sync.store_publisher.StorePublisher` per fleet wired to Redis as ``learner/publish_schedule.py`` wires
 it, the raw-broadcast root) and ``s0``..``s7`` (real ``python -m rollout_server`` processes: transformers
 engine, ``model.dtype: bfloat16``, ``weight_sync.transport.type: store``, fanout 2). An update is
 ``StorePublisher.publish(v)`` — synchronous: it returns once every live server has recorded v in Redis — of
@@ -261,7 +261,7 @@ class Fleet:
         from buffer.weights import announce_weights, held_versions
         from weight_sync.store_publisher import StorePublisher
 
-        def fleet() -> dict[str, int]:  # as learner/publisher.py: the live servers and what each holds
+        def fleet() -> dict[str, int]:  # as learner/publish_schedule.py: the live servers and what each holds
             live = [s.server_id for s in self.registry.live()]
             return {sid: h.version for sid, h in held_versions(self.client, self.keys, live).items()}
 

@@ -92,7 +92,7 @@ class RedisKeys:
     @property
     def val_prompts(self) -> str:
         """Stream of evaluation prompts (held-out, at a given policy version): apart from ``prompts`` so
-        evaluation is never under admission control nor in the training books (``buffer.validation``)."""
+        evaluation is never under admission control nor in the training books (``buffer.evaluation``)."""
         return self.prefix + "val_prompts"
 
     @property

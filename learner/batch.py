@@ -24,9 +24,9 @@ reader drops and books groups by, so the two never disagree on the same tokens.
 Rank 0 sends the groups in one uint8 tensor (plus an int64 header of lengths) in the one codec a group
 travels in, the columnar payload of :mod:`buffer.columnar`: the very bytes the buffer's reader fetched
 (:attr:`buffer.BufferedGroup.columnar`, inflated if they were compressed), so nothing is encoded again;
-only a group that comes without them (a legacy protobuf entry, a caller's own group) is encoded here, in
-the same codec. The other ranks decode them into numpy views of the received bytes —
-``broadcast_object_list`` would pickle, and no pickle crosses a process boundary here.
+only a group that comes without them (a caller's own group) is encoded here, in the same codec. The
+other ranks decode them into numpy views of the received bytes — ``broadcast_object_list`` would pickle,
+and no pickle crosses a process boundary here.
 """
 
 from __future__ import annotations
@@ -92,23 +92,8 @@ def build_samples(
     kept: list[tuple[int, int, object, float]] = []
     for gi, g in enumerate(groups):
         for ti, t in enumerate(g.trajectories):
-            reason = None
             temperature = sample_temperature(t, default_temperature)
-            if t.finish_reason == FINISH_REASON_ABORTED:
-                reason = "aborted"
-            elif temperature is None:
-                reason = "bad_temperature"
-            elif not math.isfinite(t.reward):
-                reason = "nonfinite_reward"
-            elif t.num_completion_tokens == 0:
-                reason = "empty_completion"
-            elif t.prompt_token_ids.shape[0] == 0:
-                reason = "empty_prompt"
-            elif not np.isfinite(t.behavior_logprobs).all():
-                reason = "nonfinite_logprob"
-            elif max_len is not None and t.prompt_token_ids.shape[0] + t.num_completion_tokens > max_len:
-                reason = "too_long"
-            if reason:
+            if reason := _skip_reason(t, temperature, max_len):
                 skipped[reason] += 1
                 continue
             kept.append((gi, ti, t, temperature))
@@ -141,6 +126,25 @@ def build_samples(
         )
     _warn(skipped)
     return samples, skipped
+
+
+def _skip_reason(t: TrajectoryData, temperature: float | None, max_len: int | None) -> str | None:
+    """Why ``t`` cannot be trained on (None: it can); ``temperature`` is :func:`sample_temperature`'s."""
+    if t.finish_reason == FINISH_REASON_ABORTED:
+        return "aborted"
+    if temperature is None:
+        return "bad_temperature"
+    if not math.isfinite(t.reward):
+        return "nonfinite_reward"
+    if t.num_completion_tokens == 0:
+        return "empty_completion"
+    if t.prompt_token_ids.shape[0] == 0:
+        return "empty_prompt"
+    if not np.isfinite(t.behavior_logprobs).all():
+        return "nonfinite_logprob"
+    if max_len is not None and t.prompt_token_ids.shape[0] + t.num_completion_tokens > max_len:
+        return "too_long"
+    return None
 
 
 def _warn(skipped: Counter[str]) -> None:

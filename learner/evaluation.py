@@ -1,7 +1,7 @@
 """Evaluation during training: held-out prompts at the current policy version, scored by rollout servers.
 
 Learner rank 0 issues a round (``val_before_train``, then every ``test_freq`` steps and after the last
-step) onto the validation stream (:mod:`buffer.validation`) — never the prompts stream, so evaluation is
+step) onto the validation stream (:mod:`buffer.evaluation`) — never the prompts stream, so evaluation is
 outside admission control, the trajectories stream and the training books. Collection is
 **asynchronous**: training goes on while servers generate, and each step polls for results; a round is
 logged once all its prompts are back, or when ``val_timeout_s`` runs out (``val/missing`` counts the
@@ -25,7 +25,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from buffer.validation import ValidationQueue, ValResult
+from buffer.evaluation import ValidationQueue, ValResult
 from tether.config import TetherConfig
 from tether.logs import get_logger
 from tether.metrics import MetricsLogger

@@ -6,11 +6,12 @@ checkpoint, log.
 Per step: rank 0 feeds prompts and reads ``train_batch_size`` groups, broadcasts them (protobuf bytes)
 to every rank; all ranks train (:class:`learner.trainer.Trainer`); rank 0 acknowledges the groups after
 the optimizer step; every ``weight_sync.sync_every`` steps all ranks publish the weights as version v+1
-(:class:`learner.publisher.Publisher`: in the background while the next step trains when the staleness bound
-allows) and rank 0 records the version in Redis. Checkpoints every ``checkpoint_every`` steps and at the end.
+(:class:`learner.publish_schedule.PublishSchedule`: in the background while the next step trains when the
+staleness bound allows) and rank 0 records the version in Redis. Checkpoints every ``checkpoint_every``
+steps and at the end.
 
 The set-up pieces live in files named for what they hold: the ranks in :mod:`learner.distributed`, rank 0's
-Redis side in :mod:`learner.rank_zero`, publication in :mod:`learner.publisher`, resume rules and the stop
+Redis side in :mod:`learner.rank_zero`, publication in :mod:`learner.publish_schedule`, resume rules and the stop
 signal in :mod:`learner.lifecycle`, step telemetry in :mod:`learner.telemetry`. This file is the order they
 are built in and the loop.
 """
@@ -30,7 +31,7 @@ from learner.critic import build_critic
 from learner.distributed import agree_version, init_distributed, seed_everything, sync_position
 from learner.lifecycle import StopSignal
 from learner.parallelize import load_actor, load_model, parallelize
-from learner.publisher import Publisher
+from learner.publish_schedule import PublishSchedule
 from learner.rank_zero import CANNOT_TRAIN, FAILED, GO_ON, RankZero
 from learner.telemetry import StepPerf, StepProfiler, nvtx
 from learner.trainer import Trainer
@@ -111,8 +112,8 @@ class Learner:
         republish = self.zero.republish if self.zero is not None else False
         state.version, republish = agree_version(state.version, republish, device)
         model = self.trainer.model
-        self.publisher = Publisher(cfg, model, rank=rank, world=world, zero=self.zero, metrics=self.metrics)
-        self.publisher.start(state.version, republish=republish)
+        self.publishing = PublishSchedule(cfg, model, rank=rank, world=world, zero=self.zero, metrics=self.metrics)
+        self.publishing.start(state.version, republish=republish)
         if self.zero is not None and cfg.learner.val_data_path:
             self.zero.start_evaluation(self.metrics, step=state.step, version=state.version)
         self.profiler = StepProfiler(cfg.learner.profile.steps, paths.root / "profile", rank)
@@ -142,13 +143,13 @@ class Learner:
     def train(self) -> int:
         """Step until ``learner.total_steps`` or a stop; 0 when finished or asked to stop, 1 on a failure,
         :data:`CANNOT_TRAIN` (3) when the run cannot train (``learner.stuck_timeout_s``)."""
-        lc, state, zero, publisher = self.cfg.learner, self.state, self.zero, self.publisher
+        lc, state, zero, publishing = self.cfg.learner, self.state, self.zero, self.publishing
         while state.step < lc.total_steps:
             t0 = time.perf_counter()
             batch, stop = [], GO_ON
             with spans.span("wait_data", step=state.step + 1):  # the buffer's groups, and the rank broadcast
                 if zero is not None:  # admission counts from the version the servers hold, read when computed
-                    batch, stop = zero.next_batch(state.version, self.stop_signal, lambda: publisher.published,
+                    batch, stop = zero.next_batch(state.version, self.stop_signal, lambda: publishing.published,
                                                   last=state.step + 1 >= lc.total_steps)  # fmt: skip
                 groups, stop = broadcast_groups(
                     [b.group for b in batch], payloads=[b.columnar for b in batch], device=self.device, stop=stop
@@ -164,20 +165,20 @@ class Learner:
                 state.data_position = zero.feed.position
             state.step += 1
             t_sync = time.perf_counter()
-            out["timing/weight_sync_wait"] = publisher.settle()  # the previous step's publication, sent meanwhile
+            out["timing/weight_sync_wait"] = publishing.settle()  # the previous step's publication, sent meanwhile
             checkpoint_due = bool(lc.checkpoint_every) and state.step % lc.checkpoint_every == 0
             background = False
             if state.step % self.cfg.weight_sync.sync_every == 0:
                 # The last step's and a checkpoint's publication complete first: the run's end, and a
                 # checkpoint's version, must be what Redis and the snapshots say.
-                background = publisher.background_ok and state.step < lc.total_steps and not checkpoint_due
-                out.update(publisher.publish(state.version + 1, background=background))
+                background = publishing.background_ok and state.step < lc.total_steps and not checkpoint_due
+                out.update(publishing.publish(state.version + 1, background=background))
                 state.version += 1
             out.update(self.perf.metrics(out, started=t0, wait_data=t_data, weight_sync=time.perf_counter() - t_sync))
             out.update({"learner/version": float(state.version), "learner/data_position": float(state.data_position)})
-            publisher.log_row(state.step, out, background=background)
+            publishing.log_row(state.step, out, background=background)
             if zero is not None:
-                zero.after_step(state.step, state.version, out, servers_version=publisher.published)
+                zero.after_step(state.step, state.version, out, servers_version=publishing.published)
             if checkpoint_due:
                 self.checkpoint()
         return 0
@@ -197,7 +198,7 @@ class Learner:
         """The run's end, finished or stopped between steps: the last publication lands, the final
         evaluation, a checkpoint (the state is whole either way), the export and the run-end mark."""
         lc, state, zero = self.cfg.learner, self.state, self.zero
-        self.publisher.settle()
+        self.publishing.settle()
         finished = code == 0 and state.step >= lc.total_steps
         if finished and zero is not None and zero.evaluator is not None:
             zero.evaluator.finish()
@@ -211,7 +212,7 @@ class Learner:
     def close(self) -> None:
         """Whatever happened: signal handlers back, the publication in flight waited for, books and plot."""
         self.stop_signal.restore()
-        self.publisher.close()
+        self.publishing.close()
         self.metrics.close()
         if self.zero is not None:
             self.zero.close(self.paths)

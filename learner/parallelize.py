@@ -167,19 +167,7 @@ def parallelize(
     about a tenth.
     """
     lc = cfg.learner
-    if lc.use_liger:
-        apply_liger(model, device)
-    if trainable and lc.enable_gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # HF checkpoints a block only while the block is in training mode, and from_pretrained returns the
-        # model in eval mode: without this the setting did nothing. Only the blocks themselves are flagged,
-        # so dropout inside them (0 in the usual LMs, and it would make log-probs random) stays off.
-        for block in decoder_blocks(model):
-            block.training = True
-    if lc.use_fused_kernels:
-        fused_head.install(model)
-    if lc.use_torch_compile:
-        compile_blocks(model)
+    _apply_levers(model, cfg, device, trainable=trainable)
     offload = lc.cpu_offload and device.type == "cuda"
     on_meta = meta_init.pending(model) is not None
     ranks = mesh.size() if mesh is not None else torch.distributed.get_world_size()
@@ -212,6 +200,25 @@ def parallelize(
         attn=model.config._attn_implementation,
     )
     return model
+
+
+def _apply_levers(model: torch.nn.Module, cfg: TetherConfig, device: torch.device, *, trainable: bool) -> None:
+    """What changes the module before sharding wraps it, in torchtitan's order: kernels (Liger), activation
+    checkpointing (a trainable model only), the fused LM head, then per-block compile."""
+    lc = cfg.learner
+    if lc.use_liger:
+        apply_liger(model, device)
+    if trainable and lc.enable_gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # HF checkpoints a block only while the block is in training mode, and from_pretrained returns the
+        # model in eval mode: without this the setting did nothing. Only the blocks themselves are flagged,
+        # so dropout inside them (0 in the usual LMs, and it would make log-probs random) stays off.
+        for block in decoder_blocks(model):
+            block.training = True
+    if lc.use_fused_kernels:
+        fused_head.install(model)
+    if lc.use_torch_compile:
+        compile_blocks(model)
 
 
 def compile_blocks(model: torch.nn.Module) -> None:

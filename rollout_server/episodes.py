@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 
-from rollout_server.engines.base import FINISH_STOP, Sample, SamplingSpec
+from rollout_server.engines.base import FINISH_STOP, Completion, SamplingSpec
 from rollout_server.state import ServerState
 from rollout_server.trajectories import build_trajectory
 from rollout_server.validation import BadRequest, check_length, encode, render_messages, sampling_spec
@@ -255,7 +255,7 @@ class EpisodeStore:
             )
         return context, spec if room >= spec.max_tokens else replace(spec, max_tokens=room)
 
-    def record(self, ep: Episode, sample: Sample, *, content: str | None = None) -> None:
+    def record(self, ep: Episode, sample: Completion, *, content: str | None = None) -> None:
         """Append the model's turn exactly as sampled; ``content`` is the assistant message the chat template
         sees for it (its decoded text by default)."""
         ep.tokens += sample.token_ids

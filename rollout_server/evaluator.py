@@ -4,7 +4,7 @@ The prompt worker calls :meth:`Evaluator.step` before taking each training promp
 first and is not starved when the training prompts stream is full. A prompt asks for a policy version;
 the server waits (briefly) until its weights are at least that version, so a round evaluates the weights
 it was issued for — each result still carries the versions that actually made its tokens. Results go to
-the validation results stream (:mod:`buffer.validation`): never to the trajectories stream, the training
+the validation results stream (:mod:`buffer.evaluation`): never to the trajectories stream, the training
 counters or the buffer's books. A prompt that cannot be done (bad prompt, reward failure) is reported with
 an error, which the learner counts as missing; a Redis outage leaves it pending for another server.
 """
@@ -61,7 +61,7 @@ class Evaluator:
         return bool(items)
 
     def _result(self, item, *, error: str = ""):
-        from buffer.validation import ValResult
+        from buffer.evaluation import ValResult
 
         return ValResult(round=item.round, index=int(item.prompt.dataset_index), version=item.version,
                          server_id=self.state.server_id, error=error)  # fmt: skip

@@ -118,14 +118,14 @@ async def serve_runs(fleet: TetherConfig, run_ids: list[str], *, stop: asyncio.E
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
-    fleet_run = Fleet(fleet)
+    fleet_run = FleetProcess(fleet)
     try:
         return await fleet_run.run(run_ids, stop)
     finally:
         fleet_run.client.close()
 
 
-class Fleet:
+class FleetProcess:
     """The slots of one fleet process, its gate, and its entry in Redis (``buffer.fleets``)."""
 
     def __init__(self, cfg: TetherConfig) -> None:

@@ -74,21 +74,13 @@ async def serve(
     from rollout_server.engines import build_engine
     from rollout_server.episodes import EpisodeStore
     from rollout_server.metrics import ServerMetrics
-    from rollout_server.server import build_grpc_server, set_serving
-    from rollout_server.service import RolloutServicer
+    from rollout_server.server import set_serving
     from rollout_server.state import ServerState
-    from tether.auth import auth_token
     from tether.resources import with_prompt_workers
 
     cfg = with_prompt_workers(cfg)  # "derive from the step" becomes a number before anything reads it
-    rc = cfg.rollout
     if stop is None:  # a process of its own: SIGTERM / Ctrl-C drain; embedded callers pass their own event
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, stop.set)
-
+        stop = _stop_on_signals()
     engine = engine or build_engine(cfg)
     log.info("engine_loading", engine=engine.name, model=cfg.model.path)
     async with loading or contextlib.nullcontext():
@@ -101,6 +93,45 @@ async def serve(
     if not pulling:
         await _catch_up(control)
     episodes = EpisodeStore(state)
+    server, health, host = _build_server(state, control, episodes, port)
+    puller = None
+    if pulling:  # versions published once, pulled from peers / relays / the learner (rollout_server/pull.py)
+        from rollout_server.pull import start_puller
+
+        puller = await start_puller(state)
+    await server.start()
+    door = await _open_door(state, episodes, host)
+    await set_serving(health, True)
+    if cfg.rollout.metrics_port is not None:
+        state.metrics.serve(cfg.rollout.host, cfg.rollout.metrics_port)
+    state.metrics.policy_version.set(engine.policy_version)
+    tasks, worker_task = _start_tasks(state, control, episodes, puller, stop)
+    _log_ready(state)
+
+    await stop.wait()
+    await _drain(state, health, worker_task, set_serving)
+    await _shut_down(state, tasks=tasks, server=server, door=door, puller=puller)
+    return 1 if worker_task is not None and _crashed(worker_task) else 0
+
+
+def _stop_on_signals() -> asyncio.Event:
+    """An event SIGTERM and Ctrl-C set (where the loop can take signal handlers)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def _build_server(state, control, episodes, port: int):  # type: ignore[no-untyped-def]
+    """The gRPC server (not yet started), its health servicer and the host name it is reached at; the
+    bound address goes into ``state.address``."""
+    from rollout_server.server import build_grpc_server
+    from rollout_server.service import RolloutServicer
+    from tether.auth import auth_token
+
+    rc = state.cfg.rollout
     server, bound, health = build_grpc_server(
         rollout=RolloutServicer(state, episodes),
         control=control,
@@ -113,41 +144,42 @@ async def serve(
     )
     host = rc.host if rc.host not in ("", "0.0.0.0", "[::]") else socket.gethostname()
     state.address = f"{host}:{bound}"
-    puller = None
-    if pulling:  # versions published once, pulled from peers / relays / the learner (rollout_server/pull.py)
-        from rollout_server.pull import start_puller
+    return server, health, host
 
-        puller = await start_puller(state)
-    await server.start()
-    door = await _open_door(state, episodes, host)
-    await set_serving(health, True)
-    if rc.metrics_port is not None:
-        state.metrics.serve(rc.host, rc.metrics_port)
-    state.metrics.policy_version.set(engine.policy_version)
+
+def _start_tasks(state, control, episodes, puller, stop: asyncio.Event):  # type: ignore[no-untyped-def]
+    """The background tasks (episode sweeper; with a buffer: heartbeat, weight puller) and the prompt
+    worker's task (None without a buffer or with ``rollout.prompt_workers`` 0)."""
     tasks = [asyncio.create_task(episodes.sweep_forever(), name="episode-sweeper")]
     worker_task = None
     if state.sink is not None:
         tasks.append(asyncio.create_task(_heartbeat_forever(state, control, stop), name="heartbeat"))
         if puller is not None:
             tasks.append(asyncio.create_task(puller.run(stop), name="weight-puller"))
-        if rc.prompt_workers > 0:
+        if state.cfg.rollout.prompt_workers > 0:
             from rollout_server.worker import PromptWorker
 
             worker_task = asyncio.create_task(PromptWorker(state).run(), name="prompt-worker")
             worker_task.add_done_callback(lambda task: _worker_ended(task, stop))
+    return tasks, worker_task
+
+
+def _log_ready(state) -> None:  # type: ignore[no-untyped-def]
+    rc = state.cfg.rollout
     log.info(
         "rollout_server_ready",
         address=state.address,
-        engine=engine.name,
-        server_id=server_id,
+        engine=state.engine.name,
+        server_id=state.server_id,
         prompt_workers=rc.prompt_workers if state.sink else 0,
         openai_address=state.openai_address or None,
         tls=bool(rc.tls_cert),
         threads=_torch_threads(),
     )
 
-    await stop.wait()
-    await _drain(state, health, worker_task, set_serving)
+
+async def _shut_down(state, *, tasks, server, door, puller) -> None:  # type: ignore[no-untyped-def]
+    """After the drain: stop the background tasks, the ports and the puller, leave the registry, stop the engine."""
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -162,9 +194,8 @@ async def serve(
             if puller is not None:
                 await state.sink.forget_weights()
         state.sink.close()
-    await engine.shutdown()
-    log.info("rollout_server_stopped", server_id=server_id, generated_tokens=state.metrics.total_tokens)
-    return 1 if worker_task is not None and _crashed(worker_task) else 0
+    await state.engine.shutdown()
+    log.info("rollout_server_stopped", server_id=state.server_id, generated_tokens=state.metrics.total_tokens)
 
 
 async def _open_door(state, episodes, host: str):  # type: ignore[no-untyped-def]

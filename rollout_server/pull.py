@@ -18,8 +18,8 @@ from tether.logs import get_logger
 log = get_logger(__name__)
 
 
-class SinkFleet:
-    """:class:`weight_sync.puller.Fleet` over a server's Redis connection (``rollout_server.sink.BufferSink``)."""
+class SinkPeerDirectory:
+    """:class:`weight_sync.puller.PeerDirectory` over a server's Redis (``rollout_server.sink.BufferSink``)."""
 
     def __init__(self, sink: BufferSink, on_record: Callable[[int], None] | None = None) -> None:
         self.sink, self.on_record = sink, on_record
@@ -53,7 +53,7 @@ async def start_puller(state: ServerState):  # type: ignore[no-untyped-def]
     server serves what it has; the puller's task tries again)."""
     from weight_sync.puller import Puller
 
-    engine, fleet = state.engine, SinkFleet(state.sink, on_record=state.metrics.policy_version.set)
+    engine, fleet = state.engine, SinkPeerDirectory(state.sink, on_record=state.metrics.policy_version.set)
     bind, advertise = peer_host(state)
     puller = Puller(engine, state.cfg, delivery=engine.weight_delivery(state.cfg), fleet=fleet,
                     server_id=state.server_id, peer_host=bind, advertise_host=advertise)  # fmt: skip

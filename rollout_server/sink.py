@@ -30,7 +30,7 @@ T = TypeVar("T")
 class BufferSink:
     def __init__(self, cfg: TetherConfig, server_id: str) -> None:
         from buffer import PromptQueue, RedisKeys, ServerRegistry, TrajectoryWriter
-        from buffer.validation import ValidationQueue
+        from buffer.evaluation import ValidationQueue
         from tether.redis_server import connect_redis
         from tether.resources import prompt_workers
 
@@ -75,7 +75,7 @@ class BufferSink:
         """Evaluation prompts waiting now (never blocks): the worker asks before each training prompt."""
         import redis
 
-        from buffer.validation import ValidationQueue
+        from buffer.evaluation import ValidationQueue
 
         try:
             return await self._call(self.validation.read, self.server_id, count=count, block_ms=0)

@@ -88,12 +88,7 @@ class PromptWorker:
         s, e, rc = self.state, self.state.engine, self.state.cfg.rollout
         group_id = f"{PROMPT_GROUP_PREFIX}{entry_id}"
         try:
-            ids = list(prompt.token_ids) or encode(e.tokenizer, prompt.text)
-            if prompt.token_ids:  # as the Generate RPC checks them: an id outside the vocabulary fails the batch
-                check_vocab(ids, vocab_size=s.vocab_size())
-            check_length(ids, rc, max_model_len=e.max_model_len)
-            if not 0 <= prompt.max_tokens <= rc.max_tokens:
-                raise BadRequest(f"max_tokens {prompt.max_tokens} is outside 0..{rc.max_tokens} (rollout.max_tokens)")
+            ids = self._prompt_ids(prompt)
         except BadRequest as err:
             await self._dead_letter(entry_id, group_id, f"bad prompt: {err}", prompt.SerializeToString())
             return
@@ -117,6 +112,44 @@ class PromptWorker:
             ScoreItem(prompt.text, x.text, ids, x.token_ids, prompt.reward_context, f"{group_id}-{i}")
             for i, x in enumerate(samples)
         ]
+        group = self._group(entry_id, prompt, ids, samples, items=items, spec=spec, started=started)
+        scores, failure = await self._score(group_id, items, samples)
+        if scores is None:
+            from buffer.codec import encode_payload
+
+            payload = encode_payload(group)[1]  # the columnar group, the one codec a group is written in
+            await self._dead_letter(entry_id, group_id, f"reward failed: {failure}", payload)
+            return
+        for t, (reward, components) in zip(group.trajectories, scores, strict=True):
+            t.reward, t.reward_components = float(reward), components
+        await self._put(entry_id, group)
+
+    def _prompt_ids(self, prompt: trajectory_pb2.Prompt) -> list[int]:
+        """The prompt's token ids (its own, or its text encoded), checked as the Generate RPC checks them;
+        BadRequest when they or its ``max_tokens`` cannot be served."""
+        s, e, rc = self.state, self.state.engine, self.state.cfg.rollout
+        ids = list(prompt.token_ids) or encode(e.tokenizer, prompt.text)
+        if prompt.token_ids:  # as the Generate RPC checks them: an id outside the vocabulary fails the batch
+            check_vocab(ids, vocab_size=s.vocab_size())
+        check_length(ids, rc, max_model_len=e.max_model_len)
+        if not 0 <= prompt.max_tokens <= rc.max_tokens:
+            raise BadRequest(f"max_tokens {prompt.max_tokens} is outside 0..{rc.max_tokens} (rollout.max_tokens)")
+        return ids
+
+    def _group(
+        self,
+        entry_id: str,
+        prompt: trajectory_pb2.Prompt,
+        ids: list[int],
+        samples: list,
+        *,
+        items: list[ScoreItem],
+        spec: SamplingSpec,
+        started: float,
+    ) -> GroupData:
+        """The prompt's group: one trajectory per sample (rewards not yet set)."""
+        s, e = self.state, self.state.engine
+        group_id = f"{PROMPT_GROUP_PREFIX}{entry_id}"
         trajectories = [
             build_trajectory(
                 trajectory_id=items[i].trajectory_id,
@@ -133,39 +166,36 @@ class PromptWorker:
             )
             for i, x in enumerate(samples)
         ]
-        group = GroupData(
+        return GroupData(
             group_id,
             trajectories,
             prompt_id=prompt.prompt_id or entry_id,
             metadata={"dataset_index": str(prompt.dataset_index), "issued_at_version": str(prompt.issued_at_version)},
         )
-        # Aborted samples hold partial tokens: never scored (a reward of a cut-off answer means nothing).
+
+    async def _score(self, group_id: str, items: list[ScoreItem], samples: list) -> tuple[list | None, str]:
+        """(reward, components) per sample, trying ``rollout.reward_attempts`` times; (None, the last error)
+        when every attempt failed. Aborted samples hold partial tokens: never scored (a reward of a cut-off
+        answer means nothing), they keep (0.0, {})."""
+        s = self.state
         scored = [i for i, x in enumerate(samples) if x.finish_reason != trajectory_pb2.FINISH_REASON_ABORTED]
         if len(scored) < len(samples):
             s.metrics.aborted_samples.inc(len(samples) - len(scored))
         failure = ""
-        for attempt in range(rc.reward_attempts):
+        for attempt in range(s.cfg.rollout.reward_attempts):
             try:
                 with spans.span("reward", group=group_id, attempt=attempt + 1):
                     got = await self.reward.score([items[i] for i in scored]) if scored else []
                 scores: list = [(0.0, {}) for _ in samples]
                 for i, score in zip(scored, got, strict=True):
                     scores[i] = score
-                break
+                return scores, ""
             except RewardError as err:
                 failure = str(err)
                 s.metrics.reward_failures.inc()
                 log.warning("reward_failed", group_id=group_id, attempt=attempt + 1, error=failure)
                 await asyncio.sleep(min(2.0, 0.2 * 2**attempt))
-        else:
-            from buffer.codec import encode_payload
-
-            payload = encode_payload(group)[1]  # the columnar group, the one codec a group is written in
-            await self._dead_letter(entry_id, group_id, f"reward failed: {failure}", payload)
-            return
-        for t, (reward, components) in zip(trajectories, scores, strict=True):
-            t.reward, t.reward_components = float(reward), components
-        await self._put(entry_id, group)
+        return None, failure
 
     def _turn(self) -> contextlib.AbstractAsyncContextManager[Turn | None]:
         """The generation's turn at the fleet's fair-share gate: only the generation waits for it (scoring

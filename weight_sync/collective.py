@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from tether.logs import get_logger
-from weight_sync.buckets import Layout, empty_bucket, plan_segments, unpack
+from weight_sync.buckets import Layout, Segment, empty_bucket, plan_segments, unpack
 from weight_sync.loading import PartialUpdate
 
 log = get_logger(__name__)
@@ -139,38 +139,50 @@ def build_group(
     prefixed = dist.PrefixStore(f"tether/weight_sync/epoch{epoch}/", store)
     what = f"weight-sync {backend} group (rank {rank} of {world_size})"
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = _timeout(timeout_s)
-        opts._devices = [_gloo_device(host)]
-        opts._threads = GLOO_THREADS
-        # Gloo's constructor bounds its store waits, not its connections: a peer frozen half-way through
-        # the mesh (its process stopped, its sockets open) would hold this thread for good.
-        built: list[dist.ProcessGroup | None] = []
-        late = threading.Lock()
-
-        def construct() -> None:
-            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
-            with late:
-                built.append(pg)
-                abandoned = built[0] is None
-            if abandoned:  # built after the caller gave up: nobody else would close it
-                close_group(pg)
-
-        try:
-            run_with_deadline(construct, timeout_s=timeout_s, what=what)
-        except StageTimeout:
-            with late:
-                built.insert(0, None)
-            raise
-        group = built[0]
-        assert group is not None
-        return group
+        return _build_gloo(prefixed, rank=rank, world_size=world_size, timeout_s=timeout_s, host=host, what=what)
     gpu = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    return _build_nccl(prefixed, rank=rank, world_size=world_size, timeout_s=timeout_s, gpu=gpu, what=what)
+
+
+def _build_gloo(
+    store: dist.Store, *, rank: int, world_size: int, timeout_s: float, host: str, what: str
+) -> dist.ProcessGroup:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = _timeout(timeout_s)
+    opts._devices = [_gloo_device(host)]
+    opts._threads = GLOO_THREADS
+    # Gloo's constructor bounds its store waits, not its connections: a peer frozen half-way through
+    # the mesh (its process stopped, its sockets open) would hold this thread for good.
+    built: list[dist.ProcessGroup | None] = []
+    late = threading.Lock()
+
+    def construct() -> None:
+        pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
+        with late:
+            built.append(pg)
+            abandoned = built[0] is None
+        if abandoned:  # built after the caller gave up: nobody else would close it
+            close_group(pg)
+
+    try:
+        run_with_deadline(construct, timeout_s=timeout_s, what=what)
+    except StageTimeout:
+        with late:
+            built.insert(0, None)
+        raise
+    group = built[0]
+    assert group is not None
+    return group
+
+
+def _build_nccl(
+    store: dist.Store, *, rank: int, world_size: int, timeout_s: float, gpu: torch.device, what: str
+) -> dist.ProcessGroup:
     opts = dist.ProcessGroupNCCL.Options()
     # The group's own timeout only bounds what the watchdog reports; the deadlines are kept here, first.
     opts._timeout = _timeout(2 * timeout_s)
     with nccl_group_env():
-        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
 
     def join() -> None:
         # NCCL connects lazily: one tiny collective makes a missing peer surface here, not mid-update. Rank 0's
@@ -264,6 +276,45 @@ def close_group(pg: dist.ProcessGroup | None) -> None:
     closer.join(CLOSE_WAIT_S)
 
 
+class _StreamReceives:
+    """The receives of one streamed update (:meth:`CollectiveReceive.stream`): segments posted in the sender's
+    order, each bucket into a fresh buffer (``counted``), handed over whole once all its segments arrived."""
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        plan,
+        segments: list[Segment],
+        device: torch.device,
+        *,
+        counted: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.pg, self.plan, self.segments, self.device, self.counted = pg, plan, segments, device, counted
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.works: dict[int, list[dist.Work]] = {}
+        self.posted = 0
+        """Segments posted so far."""
+
+    def post_through(self, index: int) -> None:
+        """Post every segment up to ``index``, in the sender's order: a collective must be posted in the same
+        order on every rank."""
+        src_rank = self.plan.collective.src_rank
+        while self.posted <= index:
+            s = self.segments[self.posted]
+            if s.bucket not in self.buffers:
+                self.buffers[s.bucket] = self.counted(empty_bucket(self.plan.buckets[s.bucket], self.device))
+            chunk = self.buffers[s.bucket][s.start : s.end]
+            self.works.setdefault(s.bucket, []).append(broadcast(self.pg, chunk, src=src_rank))
+            self.posted += 1
+
+    def take(self, bucket: int, *, timeout_s: float, what: str) -> torch.Tensor:
+        """Wait for every segment of ``bucket`` (each at most ``timeout_s``); its buffer, forgotten here."""
+        pending = self.works.pop(bucket)
+        while pending:
+            wait_work(pending.pop(), timeout_s=timeout_s, what=what)
+        return self.buffers.pop(bucket)
+
+
 class CollectiveReceive:
     """Receiver end: joins the group named in a plan and receives its buckets in a background thread.
 
@@ -344,41 +395,24 @@ class CollectiveReceive:
             segments = plan_segments(layout, min_bytes=src.segment_min_bytes)
             last = {s.bucket: i for i, s in enumerate(segments)}  # each bucket's last segment
             order = sorted(last, key=last.__getitem__)  # buckets in the order they complete
-            buffers: dict[int, torch.Tensor] = {}
-            works: dict[int, list[dist.Work]] = {}
-            posted = 0
+            receives = _StreamReceives(self._pg, plan, segments, device, counted=self._counted)
             loaded = 0
-
-            def post_through(index: int) -> None:
-                # In the sender's order: a collective must be posted in the same order on every rank.
-                nonlocal posted
-                while posted <= index:
-                    s = segments[posted]
-                    if s.bucket not in buffers:
-                        buffers[s.bucket] = self._counted(empty_bucket(plan.buckets[s.bucket], device))
-                    chunk = buffers[s.bucket][s.start : s.end]
-                    works.setdefault(s.bucket, []).append(broadcast(self._pg, chunk, src=src.src_rank))
-                    posted += 1
-
             with self._counting:
                 self.stream_peak_bytes = self._stream_live
             self.stream_bucket_bytes = max((int(b.num_bytes) for b in plan.buckets), default=0)
             try:
-                post_through(last[order[0]])
+                receives.post_through(last[order[0]])
                 for n, bucket in enumerate(order):
-                    pending = works.pop(bucket)
-                    while pending:
-                        wait_work(pending.pop(), timeout_s=timeout_s, what=f"update {plan.update_id}: receive")
-                    flat = buffers.pop(bucket)
+                    flat = receives.take(bucket, timeout_s=timeout_s, what=f"update {plan.update_id}: receive")
                     named = unpack(flat, members[bucket])[::-1]
                     del flat
                     while named:
                         yield named.pop()  # forgotten here as soon as it is handed over
                         loaded += 1
-                        if n + 1 < len(order) and posted <= last[order[n + 1]]:
+                        if n + 1 < len(order) and receives.posted <= last[order[n + 1]]:
                             # The next bucket is received while this one is loaded; posted only now that the
                             # loader has moved on from the bucket before (at most two buckets alive).
-                            post_through(last[order[n + 1]])
+                            receives.post_through(last[order[n + 1]])
             except GeneratorExit:
                 self._drop_group()
                 raise

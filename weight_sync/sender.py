@@ -61,7 +61,7 @@ from weight_sync.buckets import (
     plan_layout,
     plan_segments,
 )
-from weight_sync.handshake import ControlClients, abort_all
+from weight_sync.handshake import ControlClients, PendingCalls, abort_all
 from weight_sync.loading import inflight_message
 from weight_sync.publication import Deliver, WeightPublisher, params_device, publish_dtype
 from weight_sync.snapshot import SnapshotWriter, snapshot_root
@@ -180,35 +180,12 @@ class WeightSender(WeightPublisher):
             torch.cuda.set_device(self.transport.device)  # the current device is per thread
         update_id = f"v{version}-{uuid.uuid4().hex[:12]}"
         dropped: dict[str, str] = {}
-        overlapped = None
-        if servers and not self.transport.joins_receivers:
-            overlapped = self.clients.start_all(
-                "PrepareWeightUpdate", self._plans(servers, version, update_id),
-                timeout_s=self.wcfg.prepare_timeout_s, stage="prepare",
-            )  # fmt: skip
-            ready = list(servers)  # provisionally: the answers are read before commit
-        else:
-            with spans.span("weight_prepare", version=version, servers=len(servers)):
-                ready = self._prepare(servers, version, update_id, dropped) if servers else []
+        ready, overlapped = self._start_prepare(servers, version, update_id, dropped)
         prepare_s = time.perf_counter() - start
-        sending = bool(ready) and self.transport.begin(update_id, ready)
-        if ready and not sending:
-            abort_all(self.clients, ready, update_id=update_id, reason="transfer group failed", timeout_s=5.0)
-            dropped.update(dict.fromkeys(ready, "transfer group could not be built"))
-            ready = []
+        ready, sending = self._begin(ready, update_id, dropped)
         snapshot = SnapshotWriter(self.snapshot_root, version, self.layout) if snapshot_due else None
         gather_start = time.perf_counter()
-        with spans.span("weight_transfer", version=version, servers=len(ready), snapshot=snapshot is not None):
-            try:
-                if staged is not None:
-                    self._send_all(sending=sending, snapshot=snapshot, staged=staged)
-                elif self._agree(sending or snapshot is not None):
-                    self._send_all(sending=sending, snapshot=snapshot, staged=None)
-            except BaseException:
-                if snapshot is not None:
-                    snapshot.discard()
-                raise
-            transfer_ok = self.transport.finish() if sending else False
+        transfer_ok = self._transfer(version, ready, sending=sending, snapshot=snapshot, staged=staged)
         gather_s = time.perf_counter() - gather_start
         if snapshot is not None:
             snapshot.commit(keep=self.wcfg.keep_snapshots)
@@ -233,19 +210,59 @@ class WeightSender(WeightPublisher):
             "weight_sync/snapshot": float(snapshot is not None),
             "weight_sync/background": float(staged is not None),
         }
-        log.info(
-            "weights_published",
-            version=version,
-            servers=len(servers),
-            reached=reached,
-            dropped=sorted(dropped),
-            bytes=self.layout.num_bytes,
-            seconds=round(seconds, 3),
-            background=staged is not None,
-        )
+        log.info("weights_published", version=version, servers=len(servers), reached=reached,
+                 dropped=sorted(dropped), bytes=self.layout.num_bytes, seconds=round(seconds, 3),
+                 background=staged is not None)  # fmt: skip
         if on_done is not None:
             on_done(metrics)
         return metrics
+
+    def _start_prepare(
+        self, servers: list[str], version: int, update_id: str, dropped: dict[str, str]
+    ) -> tuple[list[str], PendingCalls | None]:
+        """The servers ready for this update and, for a transport whose receivers join no group, the Prepare
+        calls still in flight (all ``servers`` count as ready until their answers are read, before commit)."""
+        if servers and not self.transport.joins_receivers:
+            overlapped = self.clients.start_all(
+                "PrepareWeightUpdate", self._plans(servers, version, update_id),
+                timeout_s=self.wcfg.prepare_timeout_s, stage="prepare",
+            )  # fmt: skip
+            return list(servers), overlapped
+        with spans.span("weight_prepare", version=version, servers=len(servers)):
+            return (self._prepare(servers, version, update_id, dropped) if servers else []), None
+
+    def _begin(self, ready: list[str], update_id: str, dropped: dict[str, str]) -> tuple[list[str], bool]:
+        """Open the transfer to the ready servers: (the servers still ready, whether bytes are sent). A group
+        that cannot be built aborts the update on all of them."""
+        sending = bool(ready) and self.transport.begin(update_id, ready)
+        if ready and not sending:
+            abort_all(self.clients, ready, update_id=update_id, reason="transfer group failed", timeout_s=5.0)
+            dropped.update(dict.fromkeys(ready, "transfer group could not be built"))
+            ready = []
+        return ready, sending
+
+    def _transfer(
+        self,
+        version: int,
+        ready: list[str],
+        *,
+        sending: bool,
+        snapshot: SnapshotWriter | None,
+        staged: list[torch.Tensor] | None,
+    ) -> bool:
+        """Send every segment (and write the snapshot's buckets); whether the transport delivered them all.
+        A failure discards the half-written snapshot."""
+        with spans.span("weight_transfer", version=version, servers=len(ready), snapshot=snapshot is not None):
+            try:
+                if staged is not None:
+                    self._send_all(sending=sending, snapshot=snapshot, staged=staged)
+                elif self._agree(sending or snapshot is not None):
+                    self._send_all(sending=sending, snapshot=snapshot, staged=None)
+            except BaseException:
+                if snapshot is not None:
+                    snapshot.discard()
+                raise
+            return self.transport.finish() if sending else False
 
     def _agree(self, gather: bool) -> bool:
         """Rank 0 tells every learner rank whether this update gathers (one tiny broadcast)."""

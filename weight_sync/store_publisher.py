@@ -37,7 +37,8 @@ from weight_sync.versions import Weights
 log = get_logger(__name__)
 
 Announce = Callable[[dict], None]
-Fleet = Callable[[], dict[str, int]]
+HeldVersions = Callable[[], dict[str, int]]
+"""The version each live server holds, by server id (what a publication waits for)."""
 
 
 def store_root(cfg: TetherConfig) -> Path:
@@ -62,7 +63,7 @@ class StorePublisher(WeightPublisher):
         rank: int = 0,
         world_size: int = 1,
         announce: Announce | None = None,
-        fleet: Fleet | None = None,
+        fleet: HeldVersions | None = None,
     ) -> None:
         super().__init__(cfg, model=model, params=params, rank=rank, world_size=world_size)
         self.announce, self.fleet = announce, fleet

@@ -221,20 +221,8 @@ def decode_version(
     codec = codec or Codec()
     dtype = bits_dtype(manifest.dtype)
     if manifest.base_version is not None:
-        if held is None or held.version != manifest.base_version:
-            have = "no weights" if held is None else f"v{held.version}"
-            raise NotHeld(f"v{manifest.version} is a delta against v{manifest.base_version}, and this reader holds "
-                          f"{have}: fetch it through the store (it plans a base and the deltas after it)")  # fmt: skip
-        if held.dtype != manifest.dtype or held.layout() != manifest.layout():
-            raise NotHeld(f"v{manifest.version} is a delta against v{manifest.base_version} with another layout "
-                          f"or dtype than the v{held.version} this reader holds: fetch a base")  # fmt: skip
-    out = held.bits if in_place and held is not None and manifest.base_version is not None else None
-    if out is None and reuse is not None and reuse.bits.size == manifest.num_elements and reuse.bits.dtype == dtype:
-        if held is not None and np.may_share_memory(reuse.bits, held.bits):
-            raise ValueError(f"v{manifest.version}: reuse shares memory with the held v{held.version}")
-        out = reuse.bits
-    if out is None:
-        out = np.empty(manifest.num_elements, dtype=dtype)
+        _check_held(manifest, held)
+    out = _output_buffer(manifest, held, dtype, in_place=in_place, reuse=reuse)
     workers = _Workers(threads, len(manifest.chunks), codec)
 
     def one(k: int, payload: bytes | memoryview) -> None:
@@ -256,24 +244,62 @@ def decode_version(
             )
             raise ChunkCorrupt(f"{describe(manifest, k)}: {why}")  # fmt: skip
 
-    fetched = 0
     with workers.running():
-        pending: deque[Future[None]] = deque()  # in chunk order
-        for k in range(len(manifest.chunks)):
-            try:
-                payload = read_chunk(k)
-            except BaseException:
-                for f in pending:  # a bad chunk before this one is the error to report, as with one thread
-                    f.result()
-                raise
-            fetched += len(payload)
-            if workers.pool is None:
-                one(k, payload)
-                continue
-            pending.append(workers.pool.submit(one, k, payload))
-            while len(pending) > 2 * workers.threads or (pending and pending[0].done()):
-                pending.popleft().result()  # the oldest first: its error comes before any later chunk's
-        while pending:
-            pending.popleft().result()
+        fetched = _read_and_decode(len(manifest.chunks), read_chunk, one, workers)
     return Weights(version=manifest.version, dtype=manifest.dtype, entries=manifest.tensors, bits=out,
                    fetched_bytes=fetched)  # fmt: skip
+
+
+def _check_held(manifest: Manifest, held: Weights | None) -> None:
+    """A delta applies only to exactly its base version with the same layout and dtype."""
+    if held is None or held.version != manifest.base_version:
+        have = "no weights" if held is None else f"v{held.version}"
+        raise NotHeld(f"v{manifest.version} is a delta against v{manifest.base_version}, and this reader holds "
+                      f"{have}: fetch it through the store (it plans a base and the deltas after it)")  # fmt: skip
+    if held.dtype != manifest.dtype or held.layout() != manifest.layout():
+        raise NotHeld(f"v{manifest.version} is a delta against v{manifest.base_version} with another layout "
+                      f"or dtype than the v{held.version} this reader holds: fetch a base")  # fmt: skip
+
+
+def _output_buffer(
+    manifest: Manifest, held: Weights | None, dtype: np.dtype, *, in_place: bool, reuse: Weights | None
+) -> np.ndarray:
+    """Where the decoded version goes: ``held``'s buffer (a delta ``in_place``), else ``reuse``'s when it
+    fits (never one ``held`` shares), else a new one."""
+    out = held.bits if in_place and held is not None and manifest.base_version is not None else None
+    if out is None and reuse is not None and reuse.bits.size == manifest.num_elements and reuse.bits.dtype == dtype:
+        if held is not None and np.may_share_memory(reuse.bits, held.bits):
+            raise ValueError(f"v{manifest.version}: reuse shares memory with the held v{held.version}")
+        out = reuse.bits
+    if out is None:
+        out = np.empty(manifest.num_elements, dtype=dtype)
+    return out
+
+
+def _read_and_decode(
+    count: int,
+    read_chunk: Callable[[int], bytes | memoryview],
+    one: Callable[[int, bytes | memoryview], None],
+    workers: _Workers,
+) -> int:
+    """Read chunks 0..count-1 in order on this thread and hand each to ``one`` (on the workers' pool, at most
+    ``2 * threads`` ahead); the bytes read. The first bad chunk in order is the error raised."""
+    fetched = 0
+    pending: deque[Future[None]] = deque()  # in chunk order
+    for k in range(count):
+        try:
+            payload = read_chunk(k)
+        except BaseException:
+            for f in pending:  # a bad chunk before this one is the error to report, as with one thread
+                f.result()
+            raise
+        fetched += len(payload)
+        if workers.pool is None:
+            one(k, payload)
+            continue
+        pending.append(workers.pool.submit(one, k, payload))
+        while len(pending) > 2 * workers.threads or (pending and pending[0].done()):
+            pending.popleft().result()  # the oldest first: its error comes before any later chunk's
+    while pending:
+        pending.popleft().result()
+    return fetched

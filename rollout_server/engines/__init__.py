@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import importlib
 
-from rollout_server.engines.base import Chunk, Engine, EngineError, Sample, SamplingSpec
+from rollout_server.engines.base import Chunk, Completion, Engine, EngineError, SamplingSpec
 from tether.config import TetherConfig
 
-__all__ = ["ENGINES", "Chunk", "Engine", "EngineError", "Sample", "SamplingSpec", "build_engine"]
+__all__ = ["ENGINES", "Chunk", "Completion", "Engine", "EngineError", "SamplingSpec", "build_engine"]
 
 
 ENGINES = {

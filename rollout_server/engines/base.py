@@ -67,7 +67,7 @@ class Chunk:
 
 
 @dataclass
-class Sample:
+class Completion:
     """One finished completion."""
 
     token_ids: list[int] = field(default_factory=list)
@@ -173,9 +173,9 @@ class Engine(abc.ABC):
 
     async def generate(
         self, prompt_ids: list[int], spec: SamplingSpec, *, request_id: str | None = None
-    ) -> list[Sample]:
+    ) -> list[Completion]:
         """All ``spec.n`` samples of one prompt, finished; the text is decoded without special tokens."""
-        samples = [Sample() for _ in range(spec.n)]
+        samples = [Completion() for _ in range(spec.n)]
         rid = request_id or uuid.uuid4().hex
         agen = self._stream_whole(prompt_ids, spec, request_id=rid)
         try:

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from rollout_server.engines.base import EngineRejected, Sample, SamplingSpec
+from rollout_server.engines.base import Completion, EngineRejected, SamplingSpec
 from rollout_server.episodes import EpisodeStore
 from rollout_server.openai_api import responses as r
 from rollout_server.openai_api.schemas import ChatCompletionRequest, CompletionRequest, RewardRequest
@@ -217,26 +217,7 @@ def build_app(state: ServerState, store: EpisodeStore) -> FastAPI:
 
     app.add_middleware(Guard, state=state, token=token)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        return r.error(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param)
-
-    @app.exception_handler(HttpError)
-    async def _http(_request: Request, exc: HttpError) -> JSONResponse:
-        return exc.response
-
-    @app.exception_handler(BadRequest)
-    async def _bad(_request: Request, exc: BadRequest) -> JSONResponse:
-        status = r.HTTP_STATUS.get(exc.code, 400)
-        headers = {"Retry-After": "1"} if status in (429, 503) else None
-        return r.error(status, str(exc), headers=headers)
-
-    @app.exception_handler(EngineRejected)
-    async def _rejected(_request: Request, exc: EngineRejected) -> JSONResponse:
-        return r.error(400, f"the engine refused the sampling settings: {exc}")
+    _add_error_handlers(app)
 
     @app.get("/health")
     async def _health() -> dict[str, str]:
@@ -283,6 +264,32 @@ def build_app(state: ServerState, store: EpisodeStore) -> FastAPI:
         }
 
     return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Errors as OpenAI-style error bodies: a request that fails validation, a refusal of ours, a gRPC-path
+    ``BadRequest`` (its status by code) and sampling settings the engine refuses."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        return r.error(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param)
+
+    @app.exception_handler(HttpError)
+    async def _http(_request: Request, exc: HttpError) -> JSONResponse:
+        return exc.response
+
+    @app.exception_handler(BadRequest)
+    async def _bad(_request: Request, exc: BadRequest) -> JSONResponse:
+        status = r.HTTP_STATUS.get(exc.code, 400)
+        headers = {"Retry-After": "1"} if status in (429, 503) else None
+        return r.error(status, str(exc), headers=headers)
+
+    @app.exception_handler(EngineRejected)
+    async def _rejected(_request: Request, exc: EngineRejected) -> JSONResponse:
+        return r.error(400, f"the engine refused the sampling settings: {exc}")
 
 
 # -- chat ----------------------------------------------------------------------------------------------------
@@ -351,7 +358,7 @@ def _whole(
     door: Door,
     choices: list[dict[str, Any]],
     context: list[int],
-    samples: list[Sample],
+    samples: list[Completion],
     turn: Turn | None,
 ) -> JSONResponse:
     """A whole (not streamed) completion's body, returned as is (no ``jsonable_encoder`` pass over it)."""
@@ -366,7 +373,7 @@ def _whole(
     return JSONResponse(body)
 
 
-def _reply(door: Door, s: Sample, spec: SamplingSpec, parser: str) -> tuple[str | None, list[dict[str, Any]]]:
+def _reply(door: Door, s: Completion, spec: SamplingSpec, parser: str) -> tuple[str | None, list[dict[str, Any]]]:
     text = r.cut_at_stop(s.text, spec.stop)
     parsed = parse_tool_calls(text, parser)  # type: ignore[arg-type]
     if parsed.malformed:
@@ -386,7 +393,9 @@ def _turn_info(turn: Turn | None, prompt_tokens: int) -> dict[str, Any]:
     }
 
 
-async def _generate(door: Door, context: list[int], spec: SamplingSpec, rid: str, turn: Turn | None) -> list[Sample]:
+async def _generate(
+    door: Door, context: list[int], spec: SamplingSpec, rid: str, turn: Turn | None
+) -> list[Completion]:
     try:
         return await door.state.engine.generate(context, spec, request_id=rid)
     except BaseException:
@@ -414,21 +423,13 @@ async def _chat_stream(
     """SSE chunks as the engine samples; with tools the text is held back to the end, where it is parsed (a
     half-written ``<tool_call>`` must not reach the client as content)."""
     engine = door.state.engine
-    samples = [Sample() for _ in range(spec.n)]
+    samples = [Completion() for _ in range(spec.n)]
     texts = [IncrementalText(engine.tokenizer) for _ in range(spec.n)]
     holds = [r.StopHold(spec.stop) for _ in range(spec.n)]
     finished = False
     ends: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
     try:
-        head = {"role": "assistant", "content": ""}
-        yield r.sse(
-            r.envelope(
-                "chat.completion.chunk",
-                rid,
-                door.model,
-                choices=[{"index": i, "delta": head, "finish_reason": None} for i in range(spec.n)],
-            )
-        )
+        yield _first_chunk(door, rid, spec.n)
         agen = engine.stream(context, spec, request_id=rid)
         try:
             async for c in agen:
@@ -449,34 +450,75 @@ async def _chat_stream(
                     yield r.sse(r.envelope("chat.completion.chunk", rid, door.model, choices=[choice]))
         finally:
             await agen.aclose()
-        replies = []
-        for s in samples:
-            s.text = engine.decode(s.token_ids)
-            replies.append(_reply(door, s, spec, parser))
-            if turn is not None:
-                door.sessions.commit(turn, s, reply_entry(*replies[-1]))
+        replies = _commit_replies(door, samples, spec, parser, turn)
         finished = True  # recorded: a client gone from here on changes nothing
-        for i, (s, (content, calls)) in enumerate(zip(samples, replies, strict=True)):
-            delta, piece = ends.get(i, ({}, r.extension(Sample())))
-            if parser != "none":  # the whole reply, parsed, at the end
-                delta, piece = ({"content": content} if content else {}), r.extension(s)
-                if calls:
-                    delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
-            last = {"index": i, "delta": delta, "finish_reason": r.finish_reason(s, calls), "tether": piece}
-            yield r.sse(
-                r.envelope(
-                    "chat.completion.chunk", rid, door.model, choices=[last], tether=_turn_info(turn, len(context))
-                )
-            )
-        if body.include_usage():
-            yield r.sse(
-                r.envelope("chat.completion.chunk", rid, door.model, choices=[], usage=r.usage(len(context), samples))
-            )
-        yield r.sse("[DONE]")
+        last = _last_chunks(door, rid, context, samples, replies, ends=ends, turn=turn, parser=parser,
+                            usage=body.include_usage())  # fmt: skip
+        for chunk in last:
+            yield chunk
     finally:
         if not finished and turn is not None:
             door.sessions.abandon(turn)
         await stack.aclose()
+
+
+def _first_chunk(door: Door, rid: str, n: int) -> str:
+    """The stream's opening chunk: each choice's assistant role, no content yet."""
+    head = {"role": "assistant", "content": ""}
+    choices = [{"index": i, "delta": head, "finish_reason": None} for i in range(n)]
+    return r.sse(r.envelope("chat.completion.chunk", rid, door.model, choices=choices))
+
+
+def _commit_replies(
+    door: Door, samples: list[Completion], spec: SamplingSpec, parser: str, turn: Turn | None
+) -> list[tuple[str | None, list[dict[str, Any]]]]:
+    """Each streamed sample's text and its reply (content, tool calls), recorded in the episode's turn if any."""
+    replies = []
+    for s in samples:
+        s.text = door.state.engine.decode(s.token_ids)
+        replies.append(_reply(door, s, spec, parser))
+        if turn is not None:
+            door.sessions.commit(turn, s, reply_entry(*replies[-1]))
+    return replies
+
+
+def _last_chunks(
+    door: Door,
+    rid: str,
+    context: list[int],
+    samples: list[Completion],
+    replies: list[tuple[str | None, list[dict[str, Any]]]],
+    *,
+    ends: dict[int, tuple[dict[str, Any], dict[str, Any]]],
+    turn: Turn | None,
+    parser: str,
+    usage: bool,
+) -> list[str]:
+    """The stream's closing chunks: each choice's finish (with the whole parsed reply when tools hold the text
+    back), the usage when asked for, then ``[DONE]``."""
+    chunks = []
+    for i, (s, (content, calls)) in enumerate(zip(samples, replies, strict=True)):
+        delta, piece = ends.get(i, ({}, r.extension(Completion())))
+        if parser != "none":  # the whole reply, parsed, at the end
+            delta, piece = ({"content": content} if content else {}), r.extension(s)
+            if calls:
+                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+        last = {"index": i, "delta": delta, "finish_reason": r.finish_reason(s, calls), "tether": piece}
+        chunks.append(
+            r.sse(
+                r.envelope(
+                    "chat.completion.chunk", rid, door.model, choices=[last], tether=_turn_info(turn, len(context))
+                )
+            )
+        )
+    if usage:
+        chunks.append(
+            r.sse(
+                r.envelope("chat.completion.chunk", rid, door.model, choices=[], usage=r.usage(len(context), samples))
+            )
+        )
+    chunks.append(r.sse("[DONE]"))
+    return chunks
 
 
 # -- text completions ----------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 from fastapi.responses import JSONResponse
 
-from rollout_server.engines.base import FINISH_ABORTED, FINISH_LENGTH, FINISH_STOP, Sample
+from rollout_server.engines.base import FINISH_ABORTED, FINISH_LENGTH, FINISH_STOP, Completion
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -36,7 +36,7 @@ def error(status: int, message: str, *, param: str | None = None, code: str | No
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def finish_reason(sample: Sample, calls: list[dict[str, Any]]) -> str:
+def finish_reason(sample: Completion, calls: list[dict[str, Any]]) -> str:
     if calls and sample.finish_reason == FINISH_STOP:
         return "tool_calls"
     return {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ABORTED: "abort"}.get(sample.finish_reason, "stop")
@@ -68,7 +68,7 @@ class StopHold:
         return text[: len(text) - keep]
 
 
-def extension(sample: Sample) -> dict[str, Any]:
+def extension(sample: Completion) -> dict[str, Any]:
     return {"token_ids": sample.token_ids, "logprobs": sample.logprobs, "policy_versions": sample.versions}
 
 
@@ -77,7 +77,7 @@ def token_texts(tokenizer: Any, ids: list[int]) -> list[str]:
     return [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
 
 
-def token_logprobs(tokenizer: Any, sample: Sample) -> list[dict[str, Any]]:
+def token_logprobs(tokenizer: Any, sample: Completion) -> list[dict[str, Any]]:
     """OpenAI's ``logprobs.content``: each sampled token with its log-prob (no alternatives)."""
     return [
         {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
@@ -85,7 +85,7 @@ def token_logprobs(tokenizer: Any, sample: Sample) -> list[dict[str, Any]]:
     ]
 
 
-def usage(prompt_tokens: int, samples: list[Sample]) -> dict[str, int]:
+def usage(prompt_tokens: int, samples: list[Completion]) -> dict[str, int]:
     completion = sum(len(s.token_ids) for s in samples)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_server.engines.base import FINISH_STOP, Sample, SamplingSpec
+from rollout_server.engines.base import FINISH_STOP, Completion, SamplingSpec
 from rollout_server.episodes import Episode, EpisodeStore, Mark, chat_continuation
 from rollout_server.openai_api.schemas import ChatMessage
 from rollout_server.validation import BadRequest, check_length
@@ -220,7 +220,7 @@ class ChatSessions:
             raise
         return Turn(ep, context, spec, seen, undo, branched)
 
-    def commit(self, turn: Turn, sample: Sample, reply: tuple | str) -> None:
+    def commit(self, turn: Turn, sample: Completion, reply: tuple | str) -> None:
         """Record the turn; ``reply`` is what the client was shown of it (a chat reply's entry, or a text
         completion, which a text episode's next prompt must begin with)."""
         ep = turn.ep

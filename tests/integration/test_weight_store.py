@@ -13,7 +13,7 @@ import torch
 
 from buffer import RedisKeys, ServerInfo, ServerRegistry
 from buffer.weights import announce_weights, held_versions
-from rollout_server.pull import SinkFleet
+from rollout_server.pull import SinkPeerDirectory
 from rollout_server.sink import BufferSink
 from tests.weight_receiver import ModelEngine
 from tether.config import TetherConfig
@@ -42,8 +42,8 @@ class Server:
         self.engine = ModelEngine.from_path(model_dir)
         self.sink = BufferSink(cfg, sid)
         self.sink.registry.heartbeat(ServerInfo(sid, address=f"test:{sid}"), ttl_s=600)
-        self.puller = Puller(self.engine, cfg, delivery=self.engine.weight_delivery(cfg), fleet=SinkFleet(self.sink),
-                             server_id=sid)  # fmt: skip
+        self.puller = Puller(self.engine, cfg, delivery=self.engine.weight_delivery(cfg),
+                             fleet=SinkPeerDirectory(self.sink), server_id=sid)  # fmt: skip
         self.stop = asyncio.Event()
         self.task: asyncio.Task | None = None
 

@@ -163,7 +163,7 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
     from weight_sync.puller import Member, Puller
     from weight_sync.store_publisher import StorePublisher
 
-    class Fleet:
+    class DictDirectory:
         def __init__(self) -> None:
             self.info, self.held = None, -1
 
@@ -177,17 +177,19 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
             self.held = version
 
     store_cfg = cfg({"type": "store", "fanout": 0}, model={"dtype": "float32"})
-    fleet = Fleet()
-    store_publisher = StorePublisher(store_cfg, model=learner.model, announce=lambda info: setattr(fleet, "info", info))
-    puller = Puller(engine, store_cfg, delivery=WorkerDelivery(llm, store_cfg), fleet=fleet, server_id="vllm")
+    directory = DictDirectory()
+    store_publisher = StorePublisher(
+        store_cfg, model=learner.model, announce=lambda info: setattr(directory, "info", info)
+    )
+    puller = Puller(engine, store_cfg, delivery=WorkerDelivery(llm, store_cfg), fleet=directory, server_id="vllm")
     await asyncio.to_thread(store_publisher.publish, 3)
-    await puller.pull(fleet.info)
+    await puller.pull(directory.info)
     result["store_base"] = {"version": engine.policy_version, "chain": list(puller.last.chain)}
     result["after_store_base"] = await greedy("after-store-base")
     with torch.no_grad():
         learner.model.model.norm.weight.mul_(1.5)
     await asyncio.to_thread(store_publisher.publish, 4)
-    await puller.pull(fleet.info)
+    await puller.pull(directory.info)
     result["store_delta"] = {"version": engine.policy_version, "chain": list(puller.last.chain),
                              "bytes": puller.last.bytes, "full": learner.model.num_parameters() * 4}  # fmt: skip
     worker_sums = (await llm.collective_rpc("tether_checksums"))[0]

@@ -163,7 +163,7 @@ def test_on_a_terminal_one_live_line_and_warnings_above_it(tmp_path: Path) -> No
 def _eval_row(step: int, sources: tuple[str, ...]) -> dict:
     """A round's row as :func:`learner.evaluation.summarize` and ``per_source`` write it (and the evaluator's
     ``val/version`` and ``val/latency_s``), at 64 prompts of k=4."""
-    from buffer.validation import ValResult
+    from buffer.evaluation import ValResult
     from learner.evaluation import summarize, summarize_by_source
     from tether.v1.trajectory_pb2 import Prompt
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from buffer.validation import ValResult
+from buffer.evaluation import ValResult
 from learner.evaluation import pass_at_k, summarize
 
 

@@ -205,7 +205,7 @@ def test_no_private_name_crosses_a_module():
         ("tether.commands.console", "from tether.commands.status import _fmt, render_status", True),
         ("learner.main", "def f():\n    from buffer.writer import _coalesce", True),
         ("buffer.reader", "from weight_sync.receiver import _Stage", True),
-        ("tether.commands.console", "from tether.commands.sample import fmt", False),
+        ("tether.commands.console", "from tether.commands.snapshot import fmt", False),
         ("tether.commands.cli", "from tether import __version__", False),
         ("buffer.reader", "from collections import _chain_map", False),
         ("buffer.reader", "from buffer.reader import _helper", False),

@@ -16,7 +16,7 @@ from buffer import BufferedGroup
 from learner.group_trace import GroupTrace
 from tether.commands.cli import main
 from tether.commands.plan.calibrate import _busy_seconds, read_run
-from tether.commands.plan.fleet import Fleet, Lengths
+from tether.commands.plan.fleet import FleetSpec, Lengths
 from tether.commands.plan.project import project
 from tether.commands.plan.rates import DEFAULT_RATES, Rates, fleet_for, group_bytes, load_rates, with_weight_flags
 from tether.commands.plan.sim import Engine, simulate
@@ -26,13 +26,13 @@ from tether.trajectory import GroupData, TrajectoryData
 RATES_DIR = DEFAULT_RATES.parent
 
 
-def _fleet(**kw) -> Fleet:
+def _fleet(**kw) -> FleetSpec:
     base = dict(
         train_batch_size=4, n=4, max_staleness=0, sync_every=1, servers=1, slots_per_server=4,
         server_tokens_per_s=1000.0, learner_step_s=0.1, learner_tokens_per_s=float("inf"), sync_s=0.02,
         lengths=Lengths(mean=10),
     )  # fmt: skip
-    return Fleet(**{**base, **kw})
+    return FleetSpec(**{**base, **kw})
 
 
 def test_engine_shares_its_rate_and_caps_each_group() -> None:

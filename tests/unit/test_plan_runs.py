@@ -13,7 +13,7 @@ import simpy
 import yaml
 
 from tether.commands.cli import main
-from tether.commands.plan.fleet import Fleet, Lengths
+from tether.commands.plan.fleet import FleetSpec, Lengths
 from tether.commands.plan.gate import Gate
 from tether.commands.plan.project import project
 from tether.commands.plan.rates import load_rates
@@ -60,7 +60,7 @@ def test_the_gate_grants_by_share_and_gives_no_credit_for_idle_time() -> None:
 def test_one_run_on_the_fleet_path_is_the_one_run_simulation(seed: int) -> None:
     rng = np.random.default_rng(200 + seed)
     eta = int(rng.integers(0, 4))
-    f = Fleet(
+    f = FleetSpec(
         train_batch_size=int(rng.integers(1, 9)), n=int(rng.integers(1, 5)), max_staleness=eta,
         sync_every=int(rng.integers(1, 3)), servers=int(rng.integers(1, 4)), slots_per_server=int(rng.integers(1, 6)),
         server_tokens_per_s=rng.uniform(100, 3000), learner_step_s=rng.uniform(0.01, 0.3),
@@ -127,8 +127,8 @@ def test_a_runs_weight_update_holds_its_own_groups_only() -> None:
     """Run a spends most of its time loading weights: b's groups go on generating meanwhile, and faster, with
     the engine to themselves."""
 
-    def fleet(sync_s: float) -> Fleet:
-        return Fleet(train_batch_size=4, n=4, max_staleness=1, sync_every=1, servers=1, slots_per_server=8,
+    def fleet(sync_s: float) -> FleetSpec:
+        return FleetSpec(train_batch_size=4, n=4, max_staleness=1, sync_every=1, servers=1, slots_per_server=8,
                      server_tokens_per_s=2000.0, learner_step_s=0.01, learner_tokens_per_s=float("inf"),
                      sync_s=sync_s, lengths=Lengths(mean=50, cv=0.5))  # fmt: skip
 

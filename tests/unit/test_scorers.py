@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from buffer.validation import ValResult
+from buffer.evaluation import ValResult
 from learner.evaluation import summarize, summarize_by_source
 from rollout_server.rewards import RewardError, ScoreItem, SourceReward
 from tether.config import ConfigError, TetherConfig, load_config

@@ -25,7 +25,7 @@ from redis.retry import Retry
 
 from buffer import RedisKeys
 from buffer.health import RunWatch
-from tether.commands.sample import Sample, fmt, recent_staleness
+from tether.commands.snapshot import RunSnapshot, fmt, recent_staleness
 from tether.commands.watchdog import Watchdog
 from tether.config import TetherConfig
 from tether.logs import get_logger
@@ -111,7 +111,7 @@ class ProgressLine:
         # Rows already in the file belong to earlier lifetimes of a resumed run.
         self._offset = metrics_path.stat().st_size if metrics_path is not None and metrics_path.exists() else 0
         self._client: redis.Redis | None = None
-        self._last: Sample | None = None
+        self._last: RunSnapshot | None = None
         self._gen = GenRate()
         self._gen_rate: float | None = None
         self._width = 0
@@ -128,7 +128,7 @@ class ProgressLine:
                 # One try a read: a tick must not sit through the data path's retries (about a minute when
                 # Redis hangs), since the launcher's loop and the watchdog's word wait for it.
                 self._client.set_retry(Retry(NoBackoff(), 0))
-            new = Sample(self._client, self.keys)
+            new = RunSnapshot(self._client, self.keys)
         except Exception:
             # Anything at all (Redis down, a half-written key): the launcher's loop must keep running.
             self._drop_client()

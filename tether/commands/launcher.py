@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tether.commands.devices import count_gpus, plan_devices
+from tether.commands.devices import DevicePlan, count_gpus, plan_devices
 from tether.commands.supervisor import ChildFailed, ChildSpec, Supervisor
 from tether.config import ConfigError, TetherConfig, save_resolved
 from tether.logs import get_logger, setup_logging
@@ -251,21 +251,7 @@ def refuse_existing_run(paths: RunPaths, run_id: str) -> None:
 
 
 def up(cfg: TetherConfig, *, resume: bool = False) -> int:
-    check_model_path(cfg)
-    from learner.data import check_datasets
-
-    try:
-        check_datasets(cfg)  # a missing column or a data source without a scorer: before anything starts
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    visible = count_gpus()
-    gpus = plan_devices(cfg, visible)  # a config that cannot fit this box fails before anything starts
-    check_attention(cfg, visible)
-    check_redis(cfg)
-    if cfg.run.run_id is None:
-        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_id": new_run_id()})})
-    elif not resume:
-        refuse_existing_run(run_paths(cfg), cfg.run.run_id)
+    cfg, gpus = _preflight(cfg, resume=resume)
     paths: RunPaths = run_paths(cfg).make()
     paths.gave_up.unlink(missing_ok=True)  # a resumed run's earlier ending is not this lifetime's
     setup_logging(process="up", level=cfg.run.log_level, console_format=cfg.run.log_format,
@@ -285,29 +271,9 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
             paths.redis_url_file.write_text(url + "\n")
         save_resolved(cfg, paths.root)  # as the user gave it: an embedded Redis stays ``redis_url: ""``
         log.info("run_started", run_id=cfg.run.run_id, folder=str(paths.root), resume=resume)
-        learner = learner_command(cfg, resume=resume, redis_url=url if embedded else "")
-        env = {**thread_env(cfg, "learner"), **gpus.learner_env}
-        # A learner that dies comes back from its last checkpoint; Redis (still up) keeps what it had not trained.
-        again = learner_command(cfg, resume=True, redis_url=url if embedded else "")
-        learner_spec = ChildSpec("learner", learner, paths.console_file("learner"), env=env, primary=True,
-                                 restartable=True, restart_cmd=again, gave_up=lambda: gave_up(paths),
-                                 progress=learner_progress(paths))  # fmt: skip
-        env = thread_env(cfg, "rollout")
-        servers = []
-        for i in range(cfg.rollout.num_servers):
-            name = f"rollout-{i}"
-            cmd = rollout_command(cfg, index=i, redis_url=url if embedded else "")
-            out = paths.console_file(name)
-            servers.append(ChildSpec(name, cmd, out, env={**env, **gpus.rollout_envs[i]}, restartable=True,
-                                     progress=server_progress(out)))  # fmt: skip
+        learner_spec, servers = _child_specs(cfg, paths, gpus, resume=resume, redis_url=url if embedded else "")
         start_children(supervisor, learner_spec, servers, colocated=gpus.shared, redis_cfg=_with_redis(cfg, url))
-        from buffer.health import RunWatch
-        from tether.commands.console import ProgressLine
-        from tether.commands.watchdog import Watchdog
-
-        live = _with_redis(cfg, url)
-        stall = Watchdog(paths.root, k=cfg.run.watchdog_k, floor_s=cfg.run.watchdog_floor_s)
-        progress = ProgressLine(live, metrics_path=paths.metrics, watch=RunWatch(live), stall=stall)
+        progress = _progress_line(cfg, paths, url)
         print(f"tether: run {cfg.run.run_id} started — folder {paths.root}", flush=True)
         for warning in preflight_warnings(cfg):
             progress.warn(warning)
@@ -316,17 +282,7 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
         outcome = "finished"
         return 0
     except ChildFailed as e:
-        log.error("child_failed", child=e.name, code=e.code, log=str(e.log_file), reason=e.reason, error=e.error)
-        if e.reason is not None:  # it said why, and a restart cannot help
-            print(f"tether: error: {e.reason}", file=sys.stderr, flush=True)
-            outcome = f"failed ({e.name} gave up, see the error above)"
-        elif e.repeated:  # it failed at start the same way twice: a third life would too
-            print(f"tether: error: {e}", file=sys.stderr, flush=True)
-            outcome, error = f"failed ({e.name} failed at start twice the same way)", (e.name, e.error)
-        else:
-            print(f"tether: {e}", file=sys.stderr, flush=True)
-            outcome = f"failed ({e.name} exited with code {e.code})"
-            error = (e.name, e.error) if e.error is not None else None
+        outcome, error = _report_failure(e)
         return 1
     except KeyboardInterrupt:
         print("\ntether: interrupted — stopping all processes (the learner checkpoints first)", file=sys.stderr)
@@ -348,6 +304,77 @@ def up(cfg: TetherConfig, *, resume: bool = False) -> int:
 
         for line in summary_lines(cfg, paths, outcome=outcome, started=started, error=error):
             print(f"tether: {line}", flush=True)
+
+
+def _preflight(cfg: TetherConfig, *, resume: bool) -> tuple[TetherConfig, DevicePlan]:
+    """The checks a run must pass before anything starts, and the run's config (with a fresh run id unless
+    one was given) and device plan."""
+    check_model_path(cfg)
+    from learner.data import check_datasets
+
+    try:
+        check_datasets(cfg)  # a missing column or a data source without a scorer: before anything starts
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    visible = count_gpus()
+    gpus = plan_devices(cfg, visible)  # a config that cannot fit this box fails before anything starts
+    check_attention(cfg, visible)
+    check_redis(cfg)
+    if cfg.run.run_id is None:
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_id": new_run_id()})})
+    elif not resume:
+        refuse_existing_run(run_paths(cfg), cfg.run.run_id)
+    return cfg, gpus
+
+
+def _child_specs(
+    cfg: TetherConfig, paths: RunPaths, gpus: DevicePlan, *, resume: bool, redis_url: str
+) -> tuple[ChildSpec, list[ChildSpec]]:
+    """The learner's spec and the rollout servers' (``redis_url`` is the embedded Redis's, "" otherwise)."""
+    learner = learner_command(cfg, resume=resume, redis_url=redis_url)
+    env = {**thread_env(cfg, "learner"), **gpus.learner_env}
+    # A learner that dies comes back from its last checkpoint; Redis (still up) keeps what it had not trained.
+    again = learner_command(cfg, resume=True, redis_url=redis_url)
+    learner_spec = ChildSpec("learner", learner, paths.console_file("learner"), env=env, primary=True,
+                             restartable=True, restart_cmd=again, gave_up=lambda: gave_up(paths),
+                             progress=learner_progress(paths))  # fmt: skip
+    env = thread_env(cfg, "rollout")
+    servers = []
+    for i in range(cfg.rollout.num_servers):
+        name = f"rollout-{i}"
+        cmd = rollout_command(cfg, index=i, redis_url=redis_url)
+        out = paths.console_file(name)
+        servers.append(ChildSpec(name, cmd, out, env={**env, **gpus.rollout_envs[i]}, restartable=True,
+                                 progress=server_progress(out)))  # fmt: skip
+    return learner_spec, servers
+
+
+def _progress_line(cfg: TetherConfig, paths: RunPaths, url: str):  # type: ignore[no-untyped-def]
+    """The console's progress line, watching the run through its Redis at ``url``."""
+    from buffer.health import RunWatch
+    from tether.commands.console import ProgressLine
+    from tether.commands.watchdog import Watchdog
+
+    live = _with_redis(cfg, url)
+    stall = Watchdog(paths.root, k=cfg.run.watchdog_k, floor_s=cfg.run.watchdog_floor_s)
+    return ProgressLine(live, metrics_path=paths.metrics, watch=RunWatch(live), stall=stall)
+
+
+def _report_failure(e: ChildFailed) -> tuple[str, tuple[str, str | None] | None]:
+    """Say on stderr why a child failed; the run's outcome and its (child, error line) for the summary."""
+    log.error("child_failed", child=e.name, code=e.code, log=str(e.log_file), reason=e.reason, error=e.error)
+    error: tuple[str, str | None] | None = None
+    if e.reason is not None:  # it said why, and a restart cannot help
+        print(f"tether: error: {e.reason}", file=sys.stderr, flush=True)
+        outcome = f"failed ({e.name} gave up, see the error above)"
+    elif e.repeated:  # it failed at start the same way twice: a third life would too
+        print(f"tether: error: {e}", file=sys.stderr, flush=True)
+        outcome, error = f"failed ({e.name} failed at start twice the same way)", (e.name, e.error)
+    else:
+        print(f"tether: {e}", file=sys.stderr, flush=True)
+        outcome = f"failed ({e.name} exited with code {e.code})"
+        error = (e.name, e.error) if e.error is not None else None
+    return outcome, error
 
 
 def _plot_is_stale(paths: RunPaths) -> bool:

@@ -1,8 +1,8 @@
-"""``tether status``: a run, as Redis sees it (samples from ``tether.commands.sample``, as the console's).
+"""``tether status``: a run, as Redis sees it (snapshots from ``tether.commands.snapshot``, as the console's).
 
 Everything shown is read from the run's Redis keys (``buffer.keys.RedisKeys``): the published policy
 version, the learner's hash (``step``, ``reward_mean``, ``tokens_per_s`` when it publishes them), buffer
-counters and the server registry. Rates are differences between two samples, so they need no clock
+counters and the server registry. Rates are differences between two snapshots, so they need no clock
 agreement between hosts. Neither view may take a run down: every Redis error becomes "redis: unreachable".
 """
 
@@ -18,7 +18,7 @@ from buffer import RedisKeys, ServerRegistry
 from buffer.ledger import format_books, run_books
 from buffer.lengths import LengthBook
 from buffer.replies import str_keys
-from tether.commands.sample import Sample, fmt, rate
+from tether.commands.snapshot import RunSnapshot, fmt, rate
 from tether.commands.watchdog import Watchdog
 from tether.config import TetherConfig
 from tether.redis_server import RedisUnavailable, connect_redis
@@ -27,17 +27,17 @@ from tether.runs import run_paths
 _ERRORS = (redis.RedisError, RedisUnavailable, OSError, ValueError)
 
 
-def _validation_line(sample: Sample) -> str:
+def _validation_line(snap: RunSnapshot) -> str:
     """The latest evaluation round the learner logged (``learner.test_freq``), or that there is none."""
-    if sample.learner_str("val_step") == "-":
+    if snap.learner_str("val_step") == "-":
         return "validation: -"
-    k = sample.learner_float("val_k")
+    k = snap.learner_float("val_k")
     k_str = "k" if k is None else f"{k:.0f}"
     return (
-        f"validation (step {sample.learner_str('val_step')}): mean@{k_str} "
-        f"{fmt(sample.learner_float('val_mean_at_k'), '.3f')}   pass@{k_str} "
-        f"{fmt(sample.learner_float('val_pass_at_k'), '.3f')}   "
-        f"missing {fmt(sample.learner_float('val_missing'), '.0f')}"
+        f"validation (step {snap.learner_str('val_step')}): mean@{k_str} "
+        f"{fmt(snap.learner_float('val_mean_at_k'), '.3f')}   pass@{k_str} "
+        f"{fmt(snap.learner_float('val_pass_at_k'), '.3f')}   "
+        f"missing {fmt(snap.learner_float('val_missing'), '.0f')}"
     )
 
 
@@ -52,7 +52,7 @@ def stuck_line(cfg: TetherConfig) -> str:
     return f"\nstuck: {stuck}" if stuck else ""
 
 
-def render_status(cfg: TetherConfig, client: redis.Redis, new: Sample, old: Sample | None) -> str:
+def render_status(cfg: TetherConfig, client: redis.Redis, new: RunSnapshot, old: RunSnapshot | None) -> str:
     keys = RedisKeys(cfg.run.run_id or "")
     s = new.stats
     tokens_per_s = new.learner_float("tokens_per_s")
@@ -102,7 +102,7 @@ def _embedded_url(cfg: TetherConfig) -> str:
 
 
 def show_status(cfg: TetherConfig, *, watch: bool = False, out: TextIO | None = None, interval_s: float = 1.0) -> int:
-    """Print the run's status (twice-sampled for rates); with ``watch``, refresh until Ctrl-C. 0, or 1 when
+    """Print the run's status (read twice for rates); with ``watch``, refresh until Ctrl-C. 0, or 1 when
     Redis cannot be reached."""
     out = out or sys.stdout
     keys = RedisKeys(cfg.run.run_id or "")
@@ -121,10 +121,10 @@ def show_status(cfg: TetherConfig, *, watch: bool = False, out: TextIO | None = 
         print(f"tether status: redis: unreachable — {e}", file=sys.stderr)
         return 1
     try:
-        old = Sample(client, keys)
+        old = RunSnapshot(client, keys)
         while True:
             time.sleep(interval_s)
-            new = Sample(client, keys)
+            new = RunSnapshot(client, keys)
             text = render_status(cfg, client, new, old) + stuck_line(cfg)
             if watch and out.isatty():
                 out.write("\x1b[H\x1b[2J")  # clear the screen: a top-like view

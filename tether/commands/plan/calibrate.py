@@ -25,9 +25,9 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from tether.commands.plan.fleet import Fleet, Lengths
+from tether.commands.plan.fleet import FleetSpec, Lengths
 from tether.commands.plan.sim import SimResult, simulate_mean
-from tether.config import ConfigError, load_config
+from tether.config import ConfigError, TetherConfig, load_config
 from tether.metrics import read_metrics
 from tether.resources import prompt_workers
 
@@ -51,7 +51,7 @@ class Measured:
 
 @dataclass(frozen=True)
 class Calibration:
-    fleet: Fleet
+    fleet: FleetSpec
     measured: Measured
     predicted: SimResult
     rollout_tokens_per_s: list[float]
@@ -71,19 +71,9 @@ def _busy_seconds(intervals: list[tuple[float, float]]) -> float:
     return total + ((cur_e - cur_s) if cur_e is not None else 0.0)
 
 
-def read_run(folder: str | Path) -> tuple[Fleet, Measured, list[float]]:
+def read_run(folder: str | Path) -> tuple[FleetSpec, Measured, list[float]]:
     folder = Path(folder)
-    for name in ("config.yaml", "metrics.jsonl", "groups.jsonl"):
-        if not (folder / name).is_file():
-            hint = (
-                " (written by the learner since `tether plan` exists; rerun with this version)"
-                if name == ("groups.jsonl")
-                else ""
-            )
-            raise ConfigError(f"--from-run {folder}: no {name} in it{hint}")
-    cfg = load_config(folder / "config.yaml")
-    rows = {r["step"]: r for r in read_metrics(folder / "metrics.jsonl") if "timing/step" in r}
-    groups = [json.loads(line) for line in (folder / "groups.jsonl").read_text().splitlines() if line.strip()]
+    cfg, rows, groups = _read_files(folder)
     steps = sorted(rows)
     if len(steps) < WARMUP + 3 or steps != list(range(1, len(steps) + 1)):
         raise ConfigError(
@@ -94,33 +84,18 @@ def read_run(folder: str | Path) -> tuple[Fleet, Measured, list[float]]:
     if not timed:
         raise ConfigError(f"--from-run {folder}: groups.jsonl has no generation timestamps")
 
-    by_server: dict[str, list[dict]] = defaultdict(list)
-    for g in timed:
-        by_server[g["server"]].append(g)
-    rates = [
-        sum(sum(g["lengths"]) for g in gs) / max(1e-9, _busy_seconds([(g["started"], g["finished"]) for g in gs]))
-        for gs in by_server.values()
-    ]
+    rates = _server_rates(timed)
     window = steps[WARMUP:]
     learner_busy = [
         rows[k]["timing/step"] - rows[k]["timing/wait_data"] - rows[k]["timing/weight_sync"] for k in window
     ]
-    # The part of each step's wait that generation does not explain: the batch's last group finished at
-    # `last`, the step began when the previous one logged; what the learner waited beyond that is reading,
-    # decoding and the server's scoring and write. Its median is charged to every step as reading time.
-    unexplained = []
-    for k in window:
-        start = rows[k - 1]["time"]
-        last = max((g["finished"] for g in timed if g["step"] == k), default=start)
-        unexplained.append(max(0.0, rows[k]["timing/wait_data"] - max(0.0, last - start)))
-    read_s = statistics.median(unexplained)
-    fleet = Fleet(
+    fleet = FleetSpec(
         train_batch_size=cfg.learner.train_batch_size,
         n=cfg.rollout.n,
         max_staleness=cfg.algorithm.max_staleness,
         stale_wait=cfg.algorithm.stale_wait_s > 0,
         sync_every=cfg.weight_sync.sync_every,
-        servers=len(by_server),
+        servers=len(rates),
         slots_per_server=prompt_workers(cfg),
         server_tokens_per_s=statistics.fmean(rates),
         learner_step_s=statistics.median(learner_busy),
@@ -128,7 +103,7 @@ def read_run(folder: str | Path) -> tuple[Fleet, Measured, list[float]]:
         learner_step_samples=tuple(learner_busy),
         sync_s=statistics.median(rows[k]["timing/weight_sync"] for k in window),
         sync_samples=tuple(rows[k]["timing/weight_sync"] for k in window),
-        read_s=read_s,
+        read_s=_read_seconds(rows, timed, window),
         lengths=Lengths(
             groups=tuple(tuple(g["lengths"]) for g in groups if g["step"] > WARMUP)
             or (tuple(tuple(g["lengths"]) for g in groups))
@@ -145,6 +120,46 @@ def read_run(folder: str | Path) -> tuple[Fleet, Measured, list[float]]:
         steps=len(steps),
     )
     return fleet, measured, rates
+
+
+def _read_files(folder: Path) -> tuple[TetherConfig, dict[int, dict], list[dict]]:
+    """The run's config, its learner steps' metrics rows by step, and its groups (``groups.jsonl``)."""
+    for name in ("config.yaml", "metrics.jsonl", "groups.jsonl"):
+        if not (folder / name).is_file():
+            hint = (
+                " (written by the learner since `tether plan` exists; rerun with this version)"
+                if name == ("groups.jsonl")
+                else ""
+            )
+            raise ConfigError(f"--from-run {folder}: no {name} in it{hint}")
+    cfg = load_config(folder / "config.yaml")
+    rows = {r["step"]: r for r in read_metrics(folder / "metrics.jsonl") if "timing/step" in r}
+    groups = [json.loads(line) for line in (folder / "groups.jsonl").read_text().splitlines() if line.strip()]
+    return cfg, rows, groups
+
+
+def _server_rates(timed: list[dict]) -> list[float]:
+    """Each server's decode rate: its completion tokens over its busy time (the union of its groups' generation
+    intervals)."""
+    by_server: dict[str, list[dict]] = defaultdict(list)
+    for g in timed:
+        by_server[g["server"]].append(g)
+    return [
+        sum(sum(g["lengths"]) for g in gs) / max(1e-9, _busy_seconds([(g["started"], g["finished"]) for g in gs]))
+        for gs in by_server.values()
+    ]
+
+
+def _read_seconds(rows: dict[int, dict], timed: list[dict], window: list[int]) -> float:
+    """The part of each step's wait that generation does not explain: the batch's last group finished at
+    `last`, the step began when the previous one logged; what the learner waited beyond that is reading,
+    decoding and the server's scoring and write. Its median is charged to every step as reading time."""
+    unexplained = []
+    for k in window:
+        start = rows[k - 1]["time"]
+        last = max((g["finished"] for g in timed if g["step"] == k), default=start)
+        unexplained.append(max(0.0, rows[k]["timing/wait_data"] - max(0.0, last - start)))
+    return statistics.median(unexplained)
 
 
 def calibrate(folder: str | Path, *, seeds: int = 5) -> Calibration:

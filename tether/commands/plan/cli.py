@@ -27,7 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tether.config import ConfigError, load_config
+from tether.config import ConfigError, TetherConfig, load_config
 
 if TYPE_CHECKING:
     from tether.commands.plan.project import Projection
@@ -66,6 +66,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ratios", default="0.25,0.5,1,2,3,4", help="rollout:learner GPU ratios of the sweep")
     p.add_argument("--staleness", default="0,1,2,4", help="max_staleness values of the sweep")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    _add_weight_flags(p)
+    p.epilog = "Any further --section.key VALUE pairs override the config file."
+
+
+def _add_weight_flags(p: argparse.ArgumentParser) -> None:
+    """The weight path's flags, which replace the rates file's ``weight_sync`` fields of those names."""
     w = p.add_argument_group("weight path (default: the rates file's weight_sync, else the values below)")
     w.add_argument(
         "--delta-ratio",
@@ -95,7 +101,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="delta decode, full bf16 GB/s per core (default 3.0, bench/weight_delta.py)",
     )
     w.add_argument("--codec-cores", type=int, metavar="N", help="cores the encode and each decode use (default 1)")
-    p.epilog = "Any further --section.key VALUE pairs override the config file."
 
 
 def _counts(text: str) -> list[int]:
@@ -137,31 +142,7 @@ def _write_json(path: str | None, payload: dict) -> None:
 
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.from_run:
-        if args.config or overrides or args.learner_gpus or args.rollout_gpus or args.total_gpus or args.sweep:
-            raise ConfigError("--from-run takes the run's own config; leave out --config, GPU counts and overrides")
-        if _weight_flags(args):
-            raise ConfigError(
-                f"--from-run replays the run's measured weight syncs; leave out "
-                f"{', '.join('--' + k.replace('_', '-') for k in _weight_flags(args))}"
-            )
-        from tether.commands.plan.calibrate import calibrate, report
-
-        cal = calibrate(args.from_run)
-        print(report(cal))
-        m, p = cal.measured, cal.predicted
-        _write_json(
-            args.json,
-            {
-                "measured": {**asdict(m), "staleness_mean": m.staleness_mean},
-                "predicted": {
-                    **{k: v for k, v in asdict(p).items() if k != "step_times"},
-                    "staleness_mean": p.staleness_mean,
-                },
-                "rollout_tokens_per_s": cal.rollout_tokens_per_s,
-            },
-        )
-        return 0
-
+        return _plan_from_run(args, overrides)
     configs = args.config or [None]
     if len(configs) > 1:
         return _plan_runs(args, overrides)
@@ -171,33 +152,11 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"--learner-gpus: one number for one --config, got {len(args.learner_gpus)}")
     learner_gpus = args.learner_gpus[0] if args.learner_gpus else None
     cfg = load_config(configs[0], overrides)
-    from tether.commands.plan.project import best_split, describe, project, sweep, sweep_plot, sweep_table
+    from tether.commands.plan.project import best_split, describe, project
 
     rates = _rates(args)
     if args.sweep:
-        if not learner_gpus:
-            raise ConfigError("--sweep needs --learner-gpus (the ratios multiply it)")
-        rows = sweep(
-            cfg,
-            rates,
-            learner_gpus=learner_gpus,
-            ratios=_numbers(args.ratios, float, "--ratios"),
-            staleness=_numbers(args.staleness, int, "--staleness"),
-        )
-        out = Path(args.sweep)
-        out.mkdir(parents=True, exist_ok=True)
-        table = sweep_table(rows)
-        (out / "sweep.md").write_text(table + "\n")
-        png = sweep_plot(
-            rows,
-            out / "sweep.png",
-            title=f"{rates.setting}; B={cfg.learner.train_batch_size}, "
-            f"n={cfg.rollout.n}, max_tokens={cfg.rollout.max_tokens}",
-        )
-        print(table)
-        print(f"wrote {out / 'sweep.md'} and {png}")
-        _write_json(args.json, {"sweep": [_as_json(p) for p in rows]})
-        return 0
+        return _plan_sweep(args, cfg, rates, learner_gpus=learner_gpus)
     if args.total_gpus:
         best, tried = best_split(cfg, rates, total_gpus=args.total_gpus, learner_step=args.learner_step)
         for p in tried:
@@ -214,6 +173,63 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     p = project(cfg, rates, learner_gpus=learner_gpus, rollout_gpus=args.rollout_gpus)
     print(describe(p))
     _write_json(args.json, _as_json(p))
+    return 0
+
+
+def _plan_from_run(args: argparse.Namespace, overrides: list[str]) -> int:
+    """--from-run: the finished run's measured figures next to what the simulator predicts for it."""
+    if args.config or overrides or args.learner_gpus or args.rollout_gpus or args.total_gpus or args.sweep:
+        raise ConfigError("--from-run takes the run's own config; leave out --config, GPU counts and overrides")
+    if _weight_flags(args):
+        raise ConfigError(
+            f"--from-run replays the run's measured weight syncs; leave out "
+            f"{', '.join('--' + k.replace('_', '-') for k in _weight_flags(args))}"
+        )
+    from tether.commands.plan.calibrate import calibrate, report
+
+    cal = calibrate(args.from_run)
+    print(report(cal))
+    m, p = cal.measured, cal.predicted
+    _write_json(
+        args.json,
+        {
+            "measured": {**asdict(m), "staleness_mean": m.staleness_mean},
+            "predicted": {
+                **{k: v for k, v in asdict(p).items() if k != "step_times"},
+                "staleness_mean": p.staleness_mean,
+            },
+            "rollout_tokens_per_s": cal.rollout_tokens_per_s,
+        },
+    )
+    return 0
+
+
+def _plan_sweep(args: argparse.Namespace, cfg: TetherConfig, rates: Rates, *, learner_gpus: int | None) -> int:
+    """--sweep: splits × max_staleness, as a table (printed and in sweep.md) and a plot (sweep.png)."""
+    from tether.commands.plan.project import sweep, sweep_plot, sweep_table
+
+    if not learner_gpus:
+        raise ConfigError("--sweep needs --learner-gpus (the ratios multiply it)")
+    rows = sweep(
+        cfg,
+        rates,
+        learner_gpus=learner_gpus,
+        ratios=_numbers(args.ratios, float, "--ratios"),
+        staleness=_numbers(args.staleness, int, "--staleness"),
+    )
+    out = Path(args.sweep)
+    out.mkdir(parents=True, exist_ok=True)
+    table = sweep_table(rows)
+    (out / "sweep.md").write_text(table + "\n")
+    png = sweep_plot(
+        rows,
+        out / "sweep.png",
+        title=f"{rates.setting}; B={cfg.learner.train_batch_size}, "
+        f"n={cfg.rollout.n}, max_tokens={cfg.rollout.max_tokens}",
+    )
+    print(table)
+    print(f"wrote {out / 'sweep.md'} and {png}")
+    _write_json(args.json, {"sweep": [_as_json(p) for p in rows]})
     return 0
 
 

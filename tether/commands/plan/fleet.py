@@ -1,6 +1,6 @@
 """What the simulator is told: the protocol's knobs and the rate of each component.
 
-:class:`Fleet` is everything :mod:`tether.commands.plan.sim` needs, whether it came from a finished run
+:class:`FleetSpec` is everything :mod:`tether.commands.plan.sim` needs, whether it came from a finished run
 (:mod:`tether.commands.plan.calibrate`) or from a rates file and a GPU split
 (:mod:`tether.commands.plan.rates`). The knobs keep tether's config names (``train_batch_size``, ``n``,
 ``max_staleness``, ``sync_every``, ``inflight``);
@@ -62,7 +62,9 @@ class Lengths:
 
 
 @dataclass(frozen=True)
-class Fleet:
+class FleetSpec:
+    """The fleet the simulator runs: the protocol's knobs, the rate of each component, the lengths drawn."""
+
     train_batch_size: int
     """B: groups per learner step (one prompt each)."""
     n: int

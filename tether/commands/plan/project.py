@@ -15,7 +15,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from tether.commands.plan.fleet import Fleet
+from tether.commands.plan.fleet import FleetSpec
 from tether.commands.plan.rates import Rates, fleet_for, full_bytes, group_bytes, weight_path
 from tether.commands.plan.sim import SimResult, simulate_mean
 from tether.commands.plan.weights import SyncCost, full_push, pull_of, sync_cost
@@ -26,14 +26,14 @@ GROUPS_SIMULATED = 3000
 rate at any batch size, few enough that a sweep of a large fleet takes a minute."""
 
 
-def horizon(fleet: Fleet) -> tuple[int, int]:
+def horizon(fleet: FleetSpec) -> tuple[int, int]:
     """(steps, warmup): warm-up covers the versions admission lets the rollout side run ahead."""
     warmup = fleet.max_staleness + 3
     measured = min(30, max(6, -(-GROUPS_SIMULATED // fleet.train_batch_size)))
     return warmup + measured, warmup
 
 
-def seeds_for(fleets: list[Fleet]) -> int:
+def seeds_for(fleets: list[FleetSpec]) -> int:
     """Independent simulations a projection averages: two, one when a batch is 256 groups or more."""
     return 2 if all(f.train_batch_size < 256 for f in fleets) else 1
 
@@ -43,7 +43,7 @@ class Projection:
     learner_gpus: int
     rollout_gpus: int
     max_staleness: int
-    fleet: Fleet
+    fleet: FleetSpec
     sim: SimResult
     group_bytes: float
     redis_mb_per_s: float
@@ -88,7 +88,7 @@ def project(
     return projection(fleet, sim, rates, learner_gpus=learner_gpus, rollout_gpus=rollout_gpus)
 
 
-def projection(fleet: Fleet, sim: SimResult, rates: Rates, *, learner_gpus: int, rollout_gpus: int) -> Projection:
+def projection(fleet: FleetSpec, sim: SimResult, rates: Rates, *, learner_gpus: int, rollout_gpus: int) -> Projection:
     """A simulation's figures with what they imply for Redis and the weight path."""
     return Projection(
         learner_gpus=learner_gpus,

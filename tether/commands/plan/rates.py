@@ -1,6 +1,6 @@
 """A rates file (``configs/rates/*.yaml``): what one GPU of each side does, with the sources it came from.
 
-The planner turns a config, a GPU split and these rates into a :class:`tether.commands.plan.fleet.Fleet`:
+The planner turns a config, a GPU split and these rates into a :class:`tether.commands.plan.fleet.FleetSpec`:
 rollout engines of ``tensor_parallel_size`` GPUs each decode ``tokens_per_s`` together (at most
 ``seq_tokens_per_s`` per sequence), each taking the groups tether's ``prompt_workers`` default gives it
 (the step's prompts times ``max_staleness + 1`` over the servers, at most ``max_num_seqs // n``); the learner's
@@ -19,7 +19,7 @@ import yaml
 from pydantic import ValidationError, field_validator
 
 from tether.commands.plan import weights
-from tether.commands.plan.fleet import Fleet, Lengths
+from tether.commands.plan.fleet import FleetSpec, Lengths
 from tether.commands.plan.weights import WeightPath, sync_cost
 from tether.config import ConfigError, TetherConfig
 from tether.config.base import Section
@@ -171,7 +171,7 @@ def group_bytes(*, n: int, prompt_tokens: float, completion_tokens: float) -> fl
     return n * (PROMPT_TOKEN_BYTES * prompt_tokens + COMPLETION_TOKEN_BYTES * completion_tokens + SAMPLE_OVERHEAD_BYTES)
 
 
-def fleet_for(cfg: TetherConfig, rates: Rates, *, learner_gpus: int, rollout_gpus: int) -> Fleet:
+def fleet_for(cfg: TetherConfig, rates: Rates, *, learner_gpus: int, rollout_gpus: int) -> FleetSpec:
     """The simulated fleet of ``cfg``'s protocol on ``learner_gpus`` + ``rollout_gpus`` GPUs at ``rates``."""
     tp = rates.rollout.tensor_parallel_size
     if learner_gpus < 1:
@@ -188,7 +188,7 @@ def fleet_for(cfg: TetherConfig, rates: Rates, *, learner_gpus: int, rollout_gpu
     lr = rates.learner
     learner_tps = lr.tokens_per_s_per_gpu * learner_gpus * (lr.scaling_efficiency if learner_gpus > 1 else 1.0)
     wl = rates.workload
-    return Fleet(
+    return FleetSpec(
         train_batch_size=cfg.learner.train_batch_size,
         n=n,
         max_staleness=cfg.algorithm.max_staleness,

@@ -27,7 +27,7 @@ from functools import partial
 import numpy as np
 import simpy
 
-from tether.commands.plan.fleet import Fleet
+from tether.commands.plan.fleet import FleetSpec
 from tether.commands.plan.gate import Gate
 from tether.commands.plan.project import Projection, horizon, projection, seeds_for
 from tether.commands.plan.rates import Rates, fleet_for
@@ -39,7 +39,7 @@ from tether.config import TetherConfig
 class SharedRun:
     """One run on the fleet: its protocol and rates (the servers are the fleet's), its share and horizon."""
 
-    fleet: Fleet
+    fleet: FleetSpec
     share: float = 1.0
     steps: int = 40
     warmup: int = 5
@@ -138,7 +138,7 @@ class FleetProjection:
         return sum(p.trajectory_mb_per_s for p in self.runs)
 
 
-def default_capacity(fleets: Sequence[Fleet], rates: Rates) -> int:
+def default_capacity(fleets: Sequence[FleetSpec], rates: Rates) -> int:
     """Groups one engine batches at the runs' largest ``n``: the fleet's ``rollout.prompt_workers`` to set."""
     return max(1, rates.rollout.max_num_seqs // max(f.n for f in fleets))
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from tether.commands.plan.fleet import Fleet
+from tether.commands.plan.fleet import FleetSpec
 from tether.commands.plan.gate import Gate
 
 _EPS = 1e-9
@@ -169,7 +169,7 @@ class RunSim:
     def __init__(
         self,
         env: simpy.Environment,
-        fleet: Fleet,
+        fleet: FleetSpec,
         rng: np.random.Generator,
         engines: list[Engine],
         *,
@@ -307,7 +307,7 @@ class RunSim:
         )
 
 
-def simulate(fleet: Fleet, *, steps: int = 40, warmup: int = 5, seed: int = 0) -> SimResult:
+def simulate(fleet: FleetSpec, *, steps: int = 40, warmup: int = 5, seed: int = 0) -> SimResult:
     """Run ``steps`` learner steps; figures over the steps after the first ``warmup``."""
     if steps <= warmup:
         raise ValueError(f"steps ({steps}) must exceed warmup ({warmup})")
@@ -318,7 +318,7 @@ def simulate(fleet: Fleet, *, steps: int = 40, warmup: int = 5, seed: int = 0) -
     return run.figures(warmup, steps)
 
 
-def simulate_mean(fleet: Fleet, *, steps: int = 40, warmup: int = 5, seeds: int = 3) -> SimResult:
+def simulate_mean(fleet: FleetSpec, *, steps: int = 40, warmup: int = 5, seeds: int = 3) -> SimResult:
     """The mean of ``seeds`` independent simulations (the staleness counts summed)."""
     return mean_result([simulate(fleet, steps=steps, warmup=warmup, seed=s) for s in range(seeds)])
 

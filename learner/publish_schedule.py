@@ -4,7 +4,7 @@ path when the staleness bound allows.
 With ``max_staleness`` ≥ 1 (and ``weight_sync.async_publish``) version v+1 is packed at once and sent while
 step v+2 trains; it is waited for at the end of that step (at most one in flight). Its step's metrics row
 waits for it (logged once its report is in), so every row still carries its own update. Admission counts
-from the version the servers are known to hold (:attr:`Publisher.published`), and the prompts a new version
+from the version the servers are known to hold (:attr:`PublishSchedule.published`), and the prompts a new version
 allows are fed the moment its commit is over, from the publication thread. All ranks call :meth:`publish`
 (gathering from FSDP2 shards is a collective); rank 0 alone records versions in Redis.
 """
@@ -26,7 +26,11 @@ from tether.metrics import MetricsLogger
 from weight_sync.publishers import make_publisher
 
 
-class Publisher:
+class PublishSchedule:
+    """The learner's side of its publications, around its steps: each one is sent by a
+    :class:`weight_sync.publication.WeightPublisher` (``sender``), in the background when allowed; rank 0
+    records the versions in Redis and holds a step's metrics row until its publication lands."""
+
     def __init__(
         self,
         cfg: TetherConfig,

@@ -1,7 +1,7 @@
 """One reading of a run's Redis keys, and what two readings say, for ``tether status`` and the console.
 
-A :class:`Sample` holds the published policy version, the buffer's stats (``buffer.stats.buffer_stats``)
-and the learner's hash at one moment; rates are differences between two samples over the local clock, so
+A :class:`RunSnapshot` holds the published policy version, the buffer's stats (``buffer.stats.buffer_stats``)
+and the learner's hash at one moment; rates are differences between two snapshots over the local clock, so
 they need no clock agreement between hosts.
 """
 
@@ -15,7 +15,9 @@ from buffer import RedisKeys, buffer_stats, read_version
 from buffer.replies import str_keys, text
 
 
-class Sample:
+class RunSnapshot:
+    """The run's published version, buffer stats and learner hash, read from Redis at one moment."""
+
     def __init__(self, client: redis.Redis, keys: RedisKeys) -> None:
         self.time = time.monotonic()
         self.version = read_version(client, keys)
@@ -33,14 +35,14 @@ class Sample:
             return None
 
 
-def rate(new: Sample, old: Sample | None, key: str) -> float | None:
+def rate(new: RunSnapshot, old: RunSnapshot | None, key: str) -> float | None:
     """How fast the stat ``key`` moved per second between ``old`` and ``new`` (None without an ``old``)."""
     if old is None or new.time <= old.time:
         return None
     return (new.stats[key] - old.stats[key]) / (new.time - old.time)
 
 
-def recent_staleness(new: Sample, old: Sample | None) -> float:
+def recent_staleness(new: RunSnapshot, old: RunSnapshot | None) -> float:
     """Mean staleness of groups trained on since ``old`` (all of the run's when there is no ``old``)."""
     lags = {}
     for k, v in new.stats.items():
