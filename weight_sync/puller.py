@@ -1,7 +1,7 @@
 """A rollout server's side of the ``store`` transport: learn of a version, pull it, verify it, swap.
 
     announced v (Redis, polled every ``poll_s``) ─► plan + chunks from the sources, every hash checked
-    (``sources.Fetcher``): my parent in the fan-out tree, relays, the origin (or the store, if mounted)
+    (``sources.Fetcher``): the store if mounted, my parent in the fan-out tree, mirrors, relays, the origin
     ─► decode against the version held, into the spare buffer ─► at the engine's safe point: pause,
     ``load_pulled`` (the engine adopts the buffer or copies it), ``policy_version = v``, resume
     ─► record v (Redis) and serve its chunks to peers
@@ -19,7 +19,7 @@ flight), so the tree is a pipeline, and the learner sends each version ``fanout`
 fleet. A server also serves any chunk of a *base* of the version it holds from its decoded weights (a
 base chunk is the raw bits, named by their hash), which is what a new server fetches.
 
-Redis is the rollout server's: it passes a :class:`Fleet` in (weight sync never imports the buffer).
+Redis is the rollout server's: it passes a :class:`PeerDirectory` in (weight sync never imports the buffer).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from tether.config import TetherConfig
 from tether.logs import get_logger
 from weight_sync.loading import Delivery, WeightLoader
 from weight_sync.manifest import Manifest
+from weight_sync.mirrors import mirror_source
 from weight_sync.sources import DirSource, Fetcher, FetchStats, ProviderSource, Source
 from weight_sync.store import VersionMissing
 from weight_sync.store_publisher import store_root
@@ -55,7 +56,10 @@ class Member:
     """Where its chunk service answers (empty: none)."""
 
 
-class Fleet(Protocol):
+class PeerDirectory(Protocol):
+    """The run's shared records as a puller reads and writes them: the learner's announcement, the live
+    servers with the version each holds and where it serves chunks, and this server's own entry."""
+
     async def announced(self) -> dict | None:
         """The learner's announcement (``version``, ``origin``), or None before the first."""
 
@@ -117,7 +121,7 @@ class Puller:
         cfg: TetherConfig,
         *,
         delivery: Delivery,
-        fleet: Fleet,
+        fleet: PeerDirectory,
         server_id: str,
         peer_host: str = "127.0.0.1",
         advertise_host: str | None = None,
@@ -127,6 +131,8 @@ class Puller:
         self.wcfg = cfg.weight_sync
         self.transport = cfg.weight_sync.transport
         assert self.transport.pulled, "the puller serves a pulled transport (store)"
+        # Built first, so an unknown scheme stops the server here, before it serves its peers anything.
+        self.mirrors: list[Source] = [mirror_source(url) for url in self.transport.mirrors]
         self.server_id = server_id
         self.inflight = inflight or self.wcfg.inflight
         self.held: Weights | None = None
@@ -182,7 +188,7 @@ class Puller:
 
     def sources(self, version: int, origin: str, members: Sequence[Member]) -> list[Source]:
         """Where to fetch ``version`` from, in order: the store if mounted, my parent in the tree, a peer that
-        holds it already, the relays, the origin."""
+        holds it already, the mirrors, the relays, the origin."""
         out: list[Source] = []
         if self.transport.shared:
             out.append(ProviderSource(DirSource(store_root(self.cfg))))
@@ -195,6 +201,7 @@ class Puller:
         holders = [m for m in members if m.version == version and m.peer and m.server_id != self.server_id]
         if holders and self.transport.fanout > 0:
             out.append(self._source(random.choice(holders).peer, "peer"))
+        out.extend(self.mirrors)
         out.extend(self._source(r, "relay") for r in self.transport.relays)
         if origin:
             out.append(self._source(origin, "origin"))
@@ -276,7 +283,7 @@ class Puller:
 
     def close(self) -> None:
         self.service.stop(0)
-        for source in self._remote.values():
+        for source in [*self._remote.values(), *self.mirrors]:
             close = getattr(source, "close", None)
             if close is not None:
                 close()

@@ -1,15 +1,15 @@
 """Where a server fetches a published version from, and the fetch that checks every byte.
 
 A version's manifests and chunks can come from several places (:class:`Source`): the store directory
-itself when the server mounts it (:class:`DirSource`), the learner's chunk service (the *origin*), a
-``tether relay``, or a peer server that already holds the version (``weight_sync.chunk_service``'s
-``RemoteSource`` for the last three). :class:`Fetcher` asks them in order: the plan (the manifests to
-apply, a few KiB) from the first that has it, and each chunk from the first that serves bytes matching
-the chunk's hash. A chunk whose bytes fail their hash is asked of the next source and never decoded; a
-source that fails (refused, killed mid-transfer, past its deadline) is skipped for the rest of the fetch.
-Every refetch and every failure is counted (:class:`FetchStats`), and a fetch whose chunk no source can
-serve fails with an error naming the version, chunk, tensors and what each source said — the server
-keeps the weights it has.
+itself when the server mounts it (:class:`DirSource`), a copy of the store (``weight_sync.mirrors``), the
+learner's chunk service (the *origin*), a ``tether relay``, or a peer server that already holds the version
+(``weight_sync.chunk_service``'s ``RemoteSource`` for the last three). :class:`Fetcher` asks them in order:
+the plan (the manifests to apply, a few KiB) from the first that has it, and each chunk from the first
+that serves bytes matching the chunk's hash. A chunk whose bytes fail their hash is asked of the next
+source and never decoded; a source that fails (refused, killed mid-transfer, past its deadline) is skipped
+for the rest of the fetch. Every refetch and every failure is counted (:class:`FetchStats`), and a fetch
+whose chunk no source can serve fails with an error naming the version, chunk, tensors and what each source
+said — the server keeps the weights it has.
 
 The same objects serve: a :class:`Provider` is what a chunk service answers from (a store directory, or
 what a server holds: ``weight_sync.puller``).
@@ -52,7 +52,8 @@ class Source(Protocol):
     """What a fetch reads from: a provider, here or across the network."""
 
     name: str
-    """For logs and errors: ``dir:/path``, ``origin:host:port``, ``relay:…``, ``peer:…``."""
+    """For logs and errors: ``dir:/path``, ``origin:host:port``, ``relay:…``, ``peer:…``, ``mirror:<url>``; the
+    part before the first colon is the kind a server counts its bytes by."""
 
     def plan(self, version: int | None, held: int | None) -> list[Manifest]:
         """As :meth:`Provider.plan`; raises :class:`VersionMissing` or :class:`SourceUnavailable`."""

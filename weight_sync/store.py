@@ -28,7 +28,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +54,58 @@ class VersionMissing(WeightVersionError):
     """The store has no manifest for the version asked for."""
 
 
+def manifest_name(version: int, kind: str) -> str:
+    """Where a manifest lies, relative to the store's root (the layout every copy of a store serves)."""
+    return f"manifests/v{version:08d}.{kind}.json"
+
+
+def chunk_name(digest: str) -> str:
+    """Where a chunk lies, relative to the store's root."""
+    return f"chunks/{digest[:2]}/{digest}"
+
+
+def plan_chain(
+    version: int,
+    held: int | None,
+    *,
+    kinds: Callable[[int], Collection[str]],
+    manifest: Callable[[int, str], Manifest],
+    where: str,
+) -> list[Manifest]:
+    """The manifests to apply, in order, to go from ``held`` (``None``: nothing) to ``version``: the deltas
+    from ``held`` on, or a base and the deltas after it, whichever stores fewer bytes. Over any copy of the
+    layout: ``kinds(k)`` names the manifests version ``k`` has (empty: none), ``manifest(k, kind)`` reads
+    one; ``where`` names the copy in errors."""
+    if not kinds(version):
+        raise VersionMissing(f"{where}: v{version} is not published")
+    if held == version:
+        return []
+    best: tuple[int, list[Manifest]] | None = None
+    deltas: list[Manifest] = []
+    cost, k = 0, version
+    while k >= 0 and (have := kinds(k)):
+        if k == held:
+            if best is None or cost < best[0]:
+                best = (cost, deltas[::-1])
+            break
+        if "base" in have:
+            base = manifest(k, "base")
+            if best is None or cost + base.stored_bytes < best[0]:
+                best = (cost + base.stored_bytes, [base, *deltas[::-1]])
+        if "delta" not in have or (best is not None and cost >= best[0]):
+            break
+        m = manifest(k, "delta")
+        deltas.append(m)
+        cost += m.stored_bytes
+        k = m.base_version
+    if best is None:
+        raise VersionMissing(
+            f"{where}: v{version} cannot be rebuilt: no base before it with an unbroken "
+            f"chain of deltas{'' if held is None else f', nor a chain from the held v{held}'}"
+        )
+    return best[1]
+
+
 class VersionStore:
     """Publish into and fetch from one directory (a local disk, or a filesystem every server mounts)."""
 
@@ -66,10 +118,10 @@ class VersionStore:
 
     # -- layout ------------------------------------------------------------------------------------------
     def manifest_path(self, version: int, kind: str) -> Path:
-        return self.manifests_dir / f"v{version:08d}.{kind}.json"
+        return self.root / manifest_name(version, kind)
 
     def chunk_path(self, digest: str) -> Path:
-        return self.chunks_dir / digest[:2] / digest
+        return self.root / chunk_name(digest)
 
     def _listing(self) -> dict[int, set[str]]:
         out: dict[int, set[str]] = {}
@@ -161,32 +213,8 @@ class VersionStore:
         listing = self._listing()
         if version not in listing:
             raise self._missing(version, listing)
-        if held == version:
-            return []
-        best: tuple[int, list[Manifest]] | None = None
-        deltas: list[Manifest] = []
-        cost, k = 0, version
-        while k >= 0 and k in listing:
-            if k == held:
-                if best is None or cost < best[0]:
-                    best = (cost, deltas[::-1])
-                break
-            if "base" in listing[k]:
-                base = self.manifest(k, "base")
-                if best is None or cost + base.stored_bytes < best[0]:
-                    best = (cost + base.stored_bytes, [base, *deltas[::-1]])
-            if "delta" not in listing[k] or (best is not None and cost >= best[0]):
-                break
-            m = self.manifest(k, "delta")
-            deltas.append(m)
-            cost += m.stored_bytes
-            k = m.base_version
-        if best is None:
-            raise VersionMissing(
-                f"{self.root}: v{version} cannot be rebuilt: no base before it with an unbroken "
-                f"chain of deltas{'' if held is None else f', nor a chain from the held v{held}'}"
-            )
-        return best[1]
+        return plan_chain(version, held, kinds=lambda k: listing.get(k, set()), manifest=self.manifest,
+                          where=str(self.root))  # fmt: skip
 
     def _missing(self, version: int, listing: dict[int, set[str]]) -> VersionMissing:
         have = sorted(listing)

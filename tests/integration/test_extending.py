@@ -1,12 +1,15 @@
 """docs/EXTENDING.md's recipes, each done once: a toy engine (generating, and loading weight updates), a toy
-weight transport, a toy policy loss, a toy advantage estimator.
+weight transport, a toy place to pull weights from, a toy policy loss, a toy advantage estimator.
 
 The engine is one class implementing :class:`rollout_server.engines.Engine` (only ``stream`` does real
 work); a real prompt worker drives it and its samples land in a real Redis buffer with their log-probs and
 per-token versions. Its ``load_weights`` is the whole of its weight loading: a real learner-side sender
 publishes over the filesystem and gloo transports to the rollout server's own Control servicer wired to
 it, and the toy ends up holding the learner's exact tensors at the new version. The transport is two
-classes, the sender's end and the receiver's, and moves an update to an engine it knows nothing of.
+classes, the sender's end and the receiver's, and moves an update to an engine it knows nothing of. The
+place to pull from is one class and one registry line: a real store publisher's versions, synced into an
+in-memory mirror, reach a real puller that can reach nothing else, bit for bit, and a chunk it corrupts
+is refused by its hash.
 The loss is one function and one config class (its knob validated at load time), the estimator one
 function declaring what it needs (its name validated at load time), each in its registry; a real trainer
 step (tiny model, one gloo rank) must call them: the loss scaled by its knob gives exactly scaled
@@ -17,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import ClassVar, Literal
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -36,6 +41,8 @@ from tether.config.rollout import EngineSection
 from tether.redis_server import free_port
 from tether.v1 import trajectory_pb2
 from weight_sync.loading import LoadResult
+from weight_sync.mirrors import LayoutMirror
+from weight_sync.versions import ChunkCorrupt
 
 
 class CountingEngineConfig(EngineSection):
@@ -269,6 +276,121 @@ async def test_a_new_transport_is_a_sender_and_a_receiver(
     assert engine.policy_version == 1 and engine.loads == [{"version": 1, "adoptable": True}]
     for name, param in learner.named_parameters():
         torch.testing.assert_close(engine.weights[name], param, rtol=0, atol=0)
+
+
+class InMemoryMirror(LayoutMirror):
+    """A toy place to pull versions from: the store's files held in memory, as an object-store bucket the
+    store is synced to would hold them, counting what it served. Built by the puller from ``toy://<bucket>``."""
+
+    buckets: ClassVar[dict[str, dict[str, bytes]]] = {}
+    """Bucket -> the store's files by their path in the layout (``chunks/ab/<hash>``): what the test syncs."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.files = self.buckets[urlsplit(url).netloc]
+        self.served: Counter[str] = Counter()
+
+    def read(self, path: str, *, timeout_s: float) -> bytes | None:
+        data = self.files.get(path)
+        if data is not None:
+            self.served[path.split("/", 1)[0]] += 1  # "manifests" or "chunks"
+        return data
+
+
+def _sync(root: Path, bucket: dict[str, bytes]) -> None:
+    """What ``aws s3 sync`` would do after each publication: the store's files into the bucket."""
+    bucket.clear()
+    bucket.update({p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()})
+
+
+async def test_a_new_place_to_pull_from_is_one_class(
+    tmp_path: Path, tiny_model_dir: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet that reaches neither the learner nor its store pulls each version from the toy mirror: a real
+    ``StorePublisher`` writes the store, the test syncs it into the toy's bucket, a real ``Puller`` (the
+    toy engine above loading) fetches from ``toy://bucket`` alone — bit for bit, and a chunk the mirror
+    corrupts is refused by its hash."""
+    from transformers import AutoModelForCausalLM
+
+    from buffer import RedisKeys
+    from buffer.weights import announce_weights
+    from rollout_server.pull import SinkPeerDirectory
+    from rollout_server.sink import BufferSink
+    from weight_sync import mirrors
+    from weight_sync.puller import Puller
+    from weight_sync.store import VersionStore, chunk_name
+    from weight_sync.store_publisher import StorePublisher, store_root
+
+    # --- the recipe's one registration: the puller builds an InMemoryMirror for each toy:// URL it is given.
+    monkeypatch.setitem(mirrors.MIRRORS, "toy", f"{__name__}:InMemoryMirror")
+    bucket: dict[str, bytes] = {}
+    monkeypatch.setitem(InMemoryMirror.buckets, "bucket", bucket)
+    transport = {"type": "store", "fanout": 0, "chunk_mb": 0.25, "mirrors": ["toy://bucket"]}
+    cfg = load_config(
+        None,
+        ["--model.path", str(tiny_model_dir), "--run.run_id", f"ext-{uuid.uuid4().hex[:6]}",
+         "--run.output_dir", str(tmp_path), "--buffer.redis_url", redis_url,
+         "--weight_sync", yaml.safe_dump({"transport": transport}, default_flow_style=True)],
+    )  # fmt: skip
+    assert not cfg.weight_sync.transport.shared  # the store is not mounted on the server
+    client = redis.Redis.from_url(redis_url)
+    keys = RedisKeys(cfg.run.run_id)
+    learner = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    # The announcement names no origin: the fleet cannot reach the learner's chunk service.
+    publisher = StorePublisher(
+        cfg, model=learner, announce=lambda info: announce_weights(client, keys, info | {"origin": ""})
+    )
+    engine = CountingEngine(cfg)
+    sink = BufferSink(cfg, "s0")
+    puller = Puller(engine, cfg, delivery=engine.weight_delivery(cfg), fleet=SinkPeerDirectory(sink), server_id="s0")
+    root = store_root(cfg)
+    try:
+        (mirror,) = puller.mirrors
+        assert isinstance(mirror, InMemoryMirror) and mirror.name == "mirror:toy://bucket"
+
+        def same_as_learner() -> None:
+            expected = dict(learner.named_parameters())
+            assert engine.weights.keys() == expected.keys()
+            for name, tensor in engine.weights.items():
+                torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+
+        await asyncio.to_thread(publisher.publish, 0)
+        _sync(root, bucket)
+        await puller.pull(await puller.fleet.announced())
+        assert engine.policy_version == 0 and puller.last.chain == ("v0.base",)
+        same_as_learner()
+        assert mirror.served["chunks"] == len(puller.last.manifests[0].chunks) and mirror.served["manifests"]
+        v0 = {name: tensor.clone() for name, tensor in engine.weights.items()}
+
+        with torch.no_grad():
+            next(learner.parameters())[:3].add_(0.25)
+        await asyncio.to_thread(publisher.publish, 1)
+        _sync(root, bucket)
+        delta = VersionStore(root).manifest(1, "delta")
+        # The mirror's copy of v1's biggest chunk has a byte flipped: refused by its hash, never decoded.
+        bad = chunk_name(max(delta.chunks, key=lambda c: c.size).hash)
+        good = bucket[bad]
+        bucket[bad] = good[:-1] + bytes([good[-1] ^ 0x01])
+        with pytest.raises(ChunkCorrupt, match="mirror:toy://bucket: bytes fail their hash"):
+            await puller.pull(await puller.fleet.announced())
+        assert engine.policy_version == 0
+        for name, tensor in engine.weights.items():
+            torch.testing.assert_close(tensor, v0[name], rtol=0, atol=0, msg=name)
+        bucket[bad] = good
+        before = mirror.served["chunks"]
+        await puller.pull(await puller.fleet.announced())
+        assert engine.policy_version == 1 and puller.last.chain == ("v1.delta",)
+        same_as_learner()
+
+        # Every byte came from the toy: one read per chunk applied, no other source asked, nothing from the learner.
+        assert mirror.served["chunks"] - before == len(delta.chunks)
+        assert puller.last.bytes_by_source.keys() == {mirror.name} and not puller.last.failed_sources
+        assert set(puller.bytes_by_kind) == {"mirror"} and publisher.origin.bytes_out() == 0
+    finally:
+        puller.close()
+        sink.close()
+        publisher.close()
+        client.close()
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from tether.config.base import Section
 
@@ -47,7 +47,7 @@ class FilesystemTransport(Section):
 class StoreTransport(Section):
     """Versions published once into a store (manifest + chunks, a delta against the version before, a full
     base every ``base_every``), pulled by every server: from a peer that holds it (a tree of
-    fan-out ``fanout``), from ``relays``, or from the learner's own chunk service (the origin)."""
+    fan-out ``fanout``), from ``mirrors`` or ``relays``, or from the learner's own chunk service (the origin)."""
 
     type: Literal["store"] = "store"
     collective: ClassVar[bool] = False
@@ -66,8 +66,13 @@ class StoreTransport(Section):
     """Servers fetching straight from the origin (or relays); each of the others fetches from a peer
     first (node r from node (r − fanout) // fanout), so the learner sends each version ``fanout`` times
     however large the fleet. 0: every server fetches from the origin / relays (no peers)."""
+    mirrors: list[str] = Field(default_factory=list)
+    """Copies of the store's directory layout to pull from, as URLs (``file:///mnt/weights``; each scheme is a
+    class in ``weight_sync.mirrors.MIRRORS``, docs/EXTENDING.md), asked in order after the peers and before
+    the relays. Not ``relays``: a mirror is any place that serves the files the learner writes, a relay a
+    ``tether relay`` process. A scheme with no class stops the rollout server when its puller starts."""
     relays: list[str] = Field(default_factory=list)
-    """``tether relay`` addresses (host:port), asked after the peer and before the origin."""
+    """``tether relay`` addresses (host:port), asked after the peer and the mirrors and before the origin."""
     base_every: int = Field(default=10, gt=0)
     """A full base every N versions (a delta against the version before otherwise, and beside each base); a
     server that is new or far behind fetches the newest base and the deltas after it."""
@@ -81,6 +86,17 @@ class StoreTransport(Section):
     """Deadline for one chunk from one source before the next source is asked."""
     poll_s: float = Field(default=0.02, gt=0)
     """How often a server reads the announced version from Redis."""
+
+    @field_validator("mirrors")
+    @classmethod
+    def _mirror_urls(cls, mirrors: list[str]) -> list[str]:
+        # Only the form here: the schemes are weight_sync's (the config imports no library), checked at start.
+        for url in mirrors:
+            scheme, sep, rest = url.partition("://")
+            if not (scheme and sep and rest):
+                raise ValueError(f"{url!r} is not a URL (<scheme>://…, e.g. file:///mnt/weights); "
+                                 "a tether relay's host:port goes in relays")  # fmt: skip
+        return mirrors
 
 
 TransportConfig = Annotated[
