@@ -35,7 +35,11 @@ def test_redis_restarted_from_aof_the_run_reconnects_and_finishes(tmp_path: Path
     try:
         learner = run.learner()
         servers = (run.server("rollout-0"), run.server("rollout-1"))
-        run.wait_for("two learner steps", lambda: len(run.steps()) >= 2, must_live=(learner, *servers))
+        # Both servers registered: the outage must hit servers that run (one still loading its engine would
+        # meet a refused first connection, which is a start failure, not an outage).
+        run.wait_for("two learner steps and both servers registered",
+                     lambda: len(run.steps()) >= 2 and {"rollout-0", "rollout-1"} <= set(run.registry_versions()),
+                     must_live=(learner, *servers))  # fmt: skip
 
         before = run.stats()
         # Let one fsync pass, so everything counted in `before` is on disk: the crash may lose only
