@@ -25,9 +25,14 @@ class _Embedded(uvicorn.Server):
 
 class OpenAIDoor:
     def __init__(self, state: ServerState, store: EpisodeStore, *, host: str, port: int) -> None:
+        # Idle keep-alive connections live 75 s (uvicorn's default is 5): an agent pauses between calls for its
+        # tools, and a server that closes an idle connection at the moment a client (httpx: 5 s expiry too)
+        # reuses it makes that call fail with a connection error — retried by the openai client's default,
+        # lost with max_retries=0 (it failed the door bench's 64-client level once).
         config = uvicorn.Config(
-            build_app(state, store), host=host, port=port, log_level="warning", access_log=False, lifespan="off"
-        )
+            build_app(state, store), host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+            timeout_keep_alive=75,
+        )  # fmt: skip
         self.server = _Embedded(config)
         self.task: asyncio.Task | None = None
 
