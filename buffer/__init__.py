@@ -1,9 +1,9 @@
 """The Redis buffer between rollout servers and the learner (see docs/ARCHITECTURE.md, ``buffer/``).
 
 Streams under ``tether:{run_id}:``: ``prompts`` (learner rank 0 → rollout servers, admission-controlled),
-``trajectories`` (one protobuf entry per GRPO group, idempotent and bounded, acknowledged after the
-optimizer step that used it) and ``dead_letter``; plus the published version, the server registry and
-counters. No pickle: payloads are protobuf, registry entries JSON.
+``trajectories`` (one columnar entry per GRPO group, :mod:`buffer.columnar`; idempotent and bounded,
+acknowledged after the optimizer step that used it) and ``dead_letter``; plus the published version, the
+server registry and counters. No pickle: groups are columnar, prompts protobuf, registry entries JSON.
 """
 
 from buffer.codec import decode_payload, encode_payload

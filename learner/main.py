@@ -3,8 +3,8 @@ checkpoint, log.
 
     torchrun --nproc_per_node N -m learner --config runs/<run>/config.yaml [--resume]
 
-Per step: rank 0 feeds prompts and reads ``train_batch_size`` groups, broadcasts them (protobuf bytes)
-to every rank; all ranks train (:class:`learner.trainer.Trainer`); rank 0 acknowledges the groups after
+Per step: rank 0 feeds prompts and reads ``train_batch_size`` groups, broadcasts them (their columnar
+bytes as read) to every rank; all ranks train (:class:`learner.trainer.Trainer`); rank 0 acknowledges the groups after
 the optimizer step; every ``weight_sync.sync_every`` steps all ranks publish the weights as version v+1
 (:class:`learner.publish_schedule.PublishSchedule`: in the background while the next step trains when the
 staleness bound allows) and rank 0 records the version in Redis. Checkpoints every ``checkpoint_every``

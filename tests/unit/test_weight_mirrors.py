@@ -13,23 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tether.config import ConfigError, TetherConfig, load_config
+from tests.unit.test_weight_pull import _cfg, _Loader
+from tether.config import ConfigError, load_config
 from weight_sync.mirrors import MIRRORS, LayoutMirror, mirror_source
 from weight_sync.puller import Member, Puller
 from weight_sync.sources import Fetcher
 from weight_sync.store import VersionMissing, VersionStore, VersionWriter
-
-
-class _Loader:
-    policy_version = 0
-
-    async def pause(self, inflight: str) -> None: ...
-
-    async def resume(self) -> None: ...
-
-
-def _cfg(**transport) -> TetherConfig:
-    return TetherConfig.model_validate({"weight_sync": {"transport": {"type": "store", **transport}}})
 
 
 def _publish(root: Path, versions: int, *, base_every: int) -> tuple[VersionStore, list[dict[str, torch.Tensor]]]:
