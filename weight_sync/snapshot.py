@@ -19,10 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from tether.config import TetherConfig
-from weight_sync.buckets import Layout, unpack
+from tether.v1 import control_pb2
+from weight_sync.buckets import Layout, dtype_from_name, tensor_bytes
 
 VERSION_FILE = "VERSION"
 INDEX_FILE = "model.safetensors.index.json"
@@ -62,10 +63,9 @@ class SnapshotWriter:
 
     def write_bucket(self, bucket: int, flat: torch.Tensor) -> None:
         name = self._shard_name(bucket)
-        tensors = dict(unpack(flat.cpu(), self._members[bucket]))
-        # Views of one buffer share storage; safetensors refuses that, so each tensor gets its own.
-        save_file({k: v.clone() for k, v in tensors.items()}, str(self.tmp / name))
-        self._weight_map.update(dict.fromkeys(tensors, name))
+        members = self._members[bucket]
+        write_shard(self.tmp / name, flat.cpu(), members)
+        self._weight_map.update(dict.fromkeys((m.name for m in members), name))
         self.bytes_written += flat.numel()
 
     def commit(self, *, keep: int) -> Path:
@@ -81,6 +81,43 @@ class SnapshotWriter:
 
     def discard(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+# safetensors' dtype names (its format spec) of the dtypes a plan can carry
+_SAFETENSORS_DTYPE = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
+
+
+def write_shard(path: Path, flat: torch.Tensor, members: list[control_pb2.TensorMeta]) -> None:
+    """One safetensors file of ``members``, written straight from the bucket's bytes.
+
+    safetensors' own ``save_file`` refuses views that share one storage, so each tensor had to be cloned first:
+    a second copy of the bucket while it writes (+270 MB for a 256 MB bucket, measured; 671 MB at Gemma 3's
+    embedding). Here the header is built from the plan and each tensor's bytes go to the file from the bucket
+    itself. The format (its spec): an 8-byte little-endian header length, the JSON header padded with spaces to
+    a multiple of 8, then the tensors back to back at the header's ``data_offsets``."""
+    header: dict[str, dict] = {}
+    pieces = []
+    end = 0
+    for meta in sorted(members, key=lambda m: m.offset_bytes):
+        size = tensor_bytes(meta)
+        header[meta.name] = {
+            "dtype": _SAFETENSORS_DTYPE[dtype_from_name(meta.dtype)],
+            "shape": [int(s) for s in meta.shape],
+            "data_offsets": [end, end + size],
+        }
+        pieces.append(flat[meta.offset_bytes : meta.offset_bytes + size])
+        end += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for piece in pieces:
+            f.write(memoryview(piece.numpy()))
 
 
 def list_snapshots(root: Path) -> list[tuple[int, Path]]:

@@ -99,9 +99,33 @@ def _spawn(world: int, model_dir: Path, out: Path, scenario: str, **overrides) -
     return json.loads((out / f"{scenario}.json").read_text()), load_file(str(out / f"{scenario}.st"))
 
 
-def test_two_ranks_match_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
-    one, w1 = _spawn(1, tiny_model_dir, tmp_path / "one", "run")
-    two, w2 = _spawn(2, tiny_model_dir, tmp_path / "two", "run")
+@pytest.fixture(scope="module")
+def one_rank_folder(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The one-rank run, spawned once, with a checkpoint after its first step (saving changes no number): the
+    reference of the two-rank, padded and resumed runs."""
+    folder = tmp_path_factory.mktemp("one-rank")
+    _spawn(1, tiny_model_dir, folder, "save")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def one_rank(one_rank_folder: Path) -> tuple[list[dict], dict]:
+    return json.loads((one_rank_folder / "save.json").read_text()), load_file(str(one_rank_folder / "save.st"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks_exported(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], dict, Path]:
+    """The same run on two ranks, spawned once, exported as a Hugging Face folder at its end."""
+    folder = tmp_path_factory.mktemp("two-ranks")
+    rows, weights = _spawn(2, tiny_model_dir, folder, "export")
+    return rows, weights, folder / "final"
+
+
+def test_two_ranks_match_one_rank(
+    one_rank: tuple[list[dict], dict], two_ranks_exported: tuple[list[dict], dict, Path]
+) -> None:
+    one, w1 = one_rank
+    two, w2, _ = two_ranks_exported
     for a, b in zip(one, two, strict=True):
         for key in ("loss/total", "loss/pg", "loss/kl", "loss/entropy", "actor/clipfrac", "actor/grad_norm"):
             assert_close(b[key], a[key], atol=1e-5, rtol=1e-4, msg=key)
@@ -109,9 +133,11 @@ def test_two_ranks_match_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert_close(w2[name], w1[name], atol=1e-5, rtol=1e-4)
 
 
-def test_resume_gives_the_same_next_losses(tiny_model_dir: Path, tmp_path: Path) -> None:
-    full, w_full = _spawn(1, tiny_model_dir, tmp_path, "save")
-    resumed, w_resumed = _spawn(1, tiny_model_dir, tmp_path, "resume")
+def test_resume_gives_the_same_next_losses(
+    tiny_model_dir: Path, one_rank_folder: Path, one_rank: tuple[list[dict], dict]
+) -> None:
+    full, w_full = one_rank
+    resumed, w_resumed = _spawn(1, tiny_model_dir, one_rank_folder, "resume")
     assert len(resumed) == len(full) - 1
     for a, b in zip(full[1:], resumed, strict=True):
         assert_close(b["loss/total"], a["loss/total"], rtol=0, atol=0)
@@ -134,10 +160,12 @@ def test_bad_input_is_skipped_and_weights_stay_finite(tiny_model_dir: Path, tmp_
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_padded_matches_packed(tiny_model_dir: Path, tmp_path: Path, dynamic: bool) -> None:
+def test_padded_matches_packed(
+    tiny_model_dir: Path, tmp_path: Path, dynamic: bool, one_rank: tuple[list[dict], dict]
+) -> None:
     """Padded micro-batches, fixed-size or by a budget of padded slots (like lengths together), train as
     the packed rows do: the same losses step after step."""
-    packed, _ = _spawn(1, tiny_model_dir, tmp_path / "a", "run")
+    packed, _ = one_rank
     padded, _ = _spawn(
         2, tiny_model_dir, tmp_path / "b", "run", learner={"use_remove_padding": False, "use_dynamic_bsz": dynamic}
     )
@@ -145,12 +173,12 @@ def test_padded_matches_packed(tiny_model_dir: Path, tmp_path: Path, dynamic: bo
         assert_close(b["loss/total"], a["loss/total"], atol=1e-5, rtol=1e-4)
 
 
-def test_export_loads_with_from_pretrained(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_export_loads_with_from_pretrained(two_ranks_exported: tuple[list[dict], dict, Path]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _, weights = _spawn(2, tiny_model_dir, tmp_path, "export")
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
-    AutoTokenizer.from_pretrained(tmp_path / "final")
+    _, weights, final = two_ranks_exported
+    model = AutoModelForCausalLM.from_pretrained(final)
+    AutoTokenizer.from_pretrained(final)
     for name, value in model.state_dict().items():
         if name in weights:
             assert_close(value, weights[name])
