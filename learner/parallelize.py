@@ -217,8 +217,32 @@ def _apply_levers(model: torch.nn.Module, cfg: TetherConfig, device: torch.devic
             block.training = True
     if lc.use_fused_kernels:
         fused_head.install(model)
+    if trainable:
+        sparse_tied_embedding_grad(model, token_budget=lc.max_token_len_per_gpu)
     if lc.use_torch_compile:
         compile_blocks(model)
+
+
+def sparse_tied_embedding_grad(model: torch.nn.Module, *, token_budget: int) -> bool:
+    """Where the LM head shares the input embedding's weight, the embedding's gradient is made sparse (its
+    ``sparse`` flag); whether it was.
+
+    The tied weight then gets two gradients, the head's (dense, ``[V, H]``) and the lookup's. As a dense
+    tensor the lookup's is a second ``[V, H]`` (zeros but the rows of the micro-batch's tokens) alive beside
+    the first until autograd sums them: 671 MB more at Gemma 3's 262k x 640 embedding in float32, the
+    learner's peak RSS on the real Gemma job 6.56 -> 5.89 GB (measured, one rank). Sparse, it is the used rows
+    only (``[tokens, H]``) and autograd adds it into the head's gradient in place: the parameter's ``.grad``
+    stays dense, so AdamW, clipping and FSDP2's reduce-scatter see what they saw. Only where a micro-batch's
+    tokens (``learner.max_token_len_per_gpu``) are fewer than the vocabulary, where sparse is the smaller."""
+    inputs, outputs = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    emb, head = (inputs() if inputs else None), (outputs() if outputs else None)
+    if not isinstance(emb, torch.nn.Embedding):
+        return False
+    tied = head is not None and getattr(head, "weight", None) is emb.weight
+    if not tied or not emb.weight.requires_grad or emb.num_embeddings <= token_budget:
+        return False
+    emb.sparse = True
+    return True
 
 
 def compile_blocks(model: torch.nn.Module) -> None:

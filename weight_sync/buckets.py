@@ -183,21 +183,38 @@ class BufferPool:
     CI box) — slower than the wire it feeds. Every slot has the capacity of the largest bucket of the
     layout, so any bucket fits any slot (a bucket is the prefix ``slot[:num_bytes]``). The pool only
     grows when every slot is busy; the sender keeps at most two buckets' worth on the wire plus one open
-    bucket per dtype, which bounds it at a few buckets, never the whole model.
+    bucket per dtype, which bounds it at a few buckets, never the whole model (a background publication
+    stages every bucket at once: then one slot per bucket).
+
+    A slot's memory is resident only as far as it was ever written (its pages fault in on first touch), so
+    :meth:`take` hands out the free slot already warm for ``nbytes`` with the least to spare, else the warmest:
+    each bucket comes back to the slot it used before. Taken in turn, a slot that once held the largest
+    bucket would hold a small one and a small one's slot the largest — on Gemma 3 (a 671 MB embedding bucket
+    among 256 MB ones) the learner's RSS between steps grew 5.5 -> 6.0 -> 6.3 GB over three background
+    publications; now it stays at 5.4.
     """
 
     def __init__(self, capacity_bytes: int, device: torch.device | str = "cpu") -> None:
         self.capacity = int(capacity_bytes)
         self.device = torch.device(device)
         self._free: list[torch.Tensor] = []
+        self._warm: dict[int, int] = {}  # slot's data_ptr -> the most bytes of it ever handed out
         self.allocated = 0
         """Slots created so far (each ``capacity`` bytes)."""
 
-    def take(self) -> torch.Tensor:
+    def take(self, nbytes: int | None = None) -> torch.Tensor:
+        """A free slot for a bucket of ``nbytes`` (default: the capacity)."""
+        need = self.capacity if nbytes is None else int(nbytes)
         if self._free:
-            return self._free.pop()
-        self.allocated += 1
-        return torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
+            warm = [self._warm[s.data_ptr()] for s in self._free]
+            fits = [i for i, w in enumerate(warm) if w >= need]
+            i = min(fits, key=warm.__getitem__) if fits else max(range(len(warm)), key=warm.__getitem__)
+            slot = self._free.pop(i)
+        else:
+            self.allocated += 1
+            slot = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
+        self._warm[slot.data_ptr()] = max(self._warm.get(slot.data_ptr(), 0), need)
+        return slot
 
     def give(self, slot: torch.Tensor) -> None:
         """Return a slot once nothing reads it any more (its broadcast finished, its shard is written)."""

@@ -341,7 +341,7 @@ class WeightSender(WeightPublisher):
         def pack(i: int, full: torch.Tensor) -> None:
             meta = self.layout.tensors[i]
             if meta.bucket not in slots:
-                slots[meta.bucket] = self.pool.take()
+                slots[meta.bucket] = self.pool.take(self.layout.buckets[meta.bucket].num_bytes)
             slot = slots[meta.bucket]
             pack_into(slot[: self.layout.buckets[meta.bucket].num_bytes], meta, full)
             if self._last_member[meta.bucket] == i:
@@ -369,7 +369,7 @@ class WeightSender(WeightPublisher):
 
         def bucket_bytes(bucket: int) -> torch.Tensor:
             if bucket not in slots:
-                slots[bucket], readers[bucket] = self.pool.take(), 1
+                slots[bucket], readers[bucket] = self.pool.take(self.layout.buckets[bucket].num_bytes), 1
             return slots[bucket][: self.layout.buckets[bucket].num_bytes]
 
         def on_tensor(i: int, full: torch.Tensor | None) -> None:

@@ -96,6 +96,23 @@ def test_buffer_pool_reuses_slots_it_was_given_back() -> None:
     assert pool.allocated == 2
 
 
+def test_buffer_pool_gives_each_bucket_back_the_slot_it_warmed() -> None:
+    """A staged publication takes one slot per bucket, one bucket much larger than the rest; given back and
+    taken again in any order, each size gets a slot already warm for it, so the bytes ever touched stay the
+    sum of the buckets instead of drifting towards slots x the largest."""
+    pool = BufferPool(100)
+    sizes = [30, 100, 30, 30]
+    slots = [pool.take(n) for n in sizes]
+    for _ in range(4):
+        for slot in reversed(slots):  # returned last-taken first: a plain stack would hand the big slot to 30
+            pool.give(slot)
+        slots = [pool.take(n) for n in sizes]
+        assert pool.allocated == 4
+        assert sum(pool._warm.values()) == sum(sizes)
+    pool.give(slots[0])
+    assert pool.take().data_ptr() == slots[0].data_ptr()  # no size asked: the capacity
+
+
 def test_segments_cover_each_tensor_once_in_the_order_they_fill() -> None:
     tensors = _tensors()
     layout = plan_layout(((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()), bucket_size_bytes=8 << 10)
