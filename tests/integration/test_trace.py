@@ -39,8 +39,12 @@ def test_up_records_spans_and_trace_merges_them(tmp_path: Path, tiny_model_dir: 
             "weight_write", "weight_await_fleet"} <= learner, learner  # fmt: skip
     steps = [e for e in events if e["pid"] == pids["learner-rank0"] and e["name"] == "train_step"]
     assert sorted(e["args"]["step"] for e in steps) == [1, 2, 3, 4]
-    for server in ("rollout-0", "rollout-1"):
-        assert {"generate", "reward", "buffer_put"} <= names[server], names[server]
+    # Each server's own spans are in the trace; in a 4-step run one server may take every prompt before the
+    # other has loaded (it happened in CI: the late one had only its Redis and weight spans), so the rollout
+    # stages are asked of the fleet, and each server must have recorded something of its own.
+    servers = names["rollout-0"] | names["rollout-1"]
+    assert {"generate", "reward", "buffer_put"} <= servers, names
+    assert names["rollout-0"] and names["rollout-1"], names
     assert any("weight_fetch" in names[s] and "weight_swap" in names[s] for s in ("rollout-0", "rollout-1"))
 
     assert [e["ts"] for e in events] == sorted(e["ts"] for e in events)
