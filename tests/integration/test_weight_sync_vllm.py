@@ -82,19 +82,32 @@ def tiny_async_llm(model_dir: str):  # type: ignore[no-untyped-def]
     )
 
 
+async def _control_server(llm, engine: VllmTestEngine, cfg):  # type: ignore[no-untyped-def]
+    """A WeightReceiver for ``cfg`` delivering into ``llm``'s workers, behind a real Control server on a free
+    loopback port: (server, address)."""
+    import grpc
+
+    from rollout_server.engines.vllm_engine import WorkerDelivery
+    from tests.weight_receiver import ControlServicer
+    from tether.v1 import control_pb2_grpc
+    from weight_sync.receiver import WeightReceiver
+
+    receiver = WeightReceiver(engine, cfg, delivery=WorkerDelivery(llm, cfg))
+    server = grpc.aio.server()
+    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(receiver, engine), server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    return server, address
+
+
 async def _bf16_stream(llm, engine: VllmTestEngine, learner, workdir: str, *, version: int) -> dict:  # type: ignore[no-untyped-def]
     """A float32 learner publishing ``publish_dtype: bfloat16`` over gloo in buckets of 0.25 MB, streamed by the
     worker into ``reload_weights`` bucket by bucket: its receive buffers' peak, measured inside the worker."""
     import asyncio
 
-    import grpc
     from vllm import SamplingParams
 
-    from rollout_server.engines.vllm_engine import WorkerDelivery
-    from tests.weight_receiver import ControlServicer
     from tether.config import TetherConfig
-    from tether.v1 import control_pb2_grpc
-    from weight_sync.receiver import WeightReceiver
     from weight_sync.sender import WeightSender
 
     cfg = TetherConfig.model_validate(
@@ -112,11 +125,7 @@ async def _bf16_stream(llm, engine: VllmTestEngine, learner, workdir: str, *, ve
             },
         }
     )
-    receiver = WeightReceiver(engine, cfg, delivery=WorkerDelivery(llm, cfg))
-    server = grpc.aio.server()
-    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(receiver, engine), server)
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
+    server, address = await _control_server(llm, engine, cfg)
     sender = WeightSender(cfg, model=learner, servers=[address])
     result: dict = {
         "buckets": len(sender.layout.buckets),
@@ -139,15 +148,12 @@ async def _bf16_stream(llm, engine: VllmTestEngine, learner, workdir: str, *, ve
 async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
     import asyncio
 
-    import grpc
     import torch
     from vllm import SamplingParams
 
     from rollout_server.engines.vllm_engine import WorkerDelivery
-    from tests.weight_receiver import ControlServicer, ModelEngine
+    from tests.weight_receiver import ModelEngine
     from tether.config import TetherConfig
-    from tether.v1 import control_pb2_grpc
-    from weight_sync.receiver import WeightReceiver
     from weight_sync.sender import WeightSender
 
     llm = tiny_async_llm(model_dir)
@@ -179,11 +185,7 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
     result: dict = {"before": await greedy("before")}
     engine = VllmTestEngine()
     gloo = cfg({"type": "gloo", "master_port": 0})
-    receiver = WeightReceiver(engine, gloo, delivery=WorkerDelivery(llm, gloo))
-    server = grpc.aio.server()
-    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(receiver, engine), server)
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
+    server, address = await _control_server(llm, engine, gloo)
 
     learner = ModelEngine.from_path(learner_dir)
     result["hf_learner"] = learner.model.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[
@@ -270,11 +272,7 @@ async def _script(model_dir: str, learner_dir: str, workdir: str) -> dict:
         0, len(PROMPT) :
     ].tolist()
     result["lora_adapter_bytes"] = sum(p.numel() * p.element_size() for _, p in params)
-    server = grpc.aio.server()
-    lora_receiver = WeightReceiver(engine, lora_cfg, delivery=WorkerDelivery(llm, lora_cfg))
-    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(lora_receiver, engine), server)
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
+    server, address = await _control_server(llm, engine, lora_cfg)
     lora_sender = WeightSender(lora_cfg, model=adapted, params=params, servers=[address])
     result["lora"] = await asyncio.to_thread(lora_sender.publish, 6)
     result["lora_dropped"] = lora_sender.last_dropped
