@@ -13,8 +13,8 @@ What is stuck comes from the open spans every process rewrites once a second
    without cleaning up): "rollout-1: not responding for 45 s (open then: generate)";
 2. the longest-open innermost span of each track that is doing something (a reward call, generation, a
    weight-sync stage): "rollout-1: reward call to 127.0.0.1:50070 open for 45 s";
-3. the longest-open span that only waits on another part (``wait_data``, ``weight_sync_wait``,
-   ``buffer_put``): "learner-rank0: wait data open for 45 s".
+3. the longest-open span that only waits on another part (``wait_data``, ``wait_stale``,
+   ``weight_sync_wait``, ``buffer_put``): "learner-rank0: wait data open for 45 s".
 
 ``tether up`` prints the finding as a ``tether: warning:`` line once per stall, and again when what is stuck
 changes (a server that hangs becomes silent a few seconds later); ``tether status`` shows it.
@@ -39,7 +39,7 @@ WINDOW = 20
 """Recent steps whose times make the median."""
 SILENT_S = 5.0
 """A process whose open-spans file is older than this is not responding (its flusher writes every second)."""
-WAITS = frozenset({"wait_data", "weight_sync_wait", "buffer_put"})
+WAITS = frozenset({"wait_data", "wait_stale", "weight_sync_wait", "buffer_put"})
 """Spans that wait on another part of the run: named only when nothing else is open."""
 
 
