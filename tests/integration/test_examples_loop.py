@@ -109,3 +109,26 @@ def test_reward_service_scores_what_the_learner_trains_on(tmp_path: Path, tiny_m
     assert stats["buffer/acknowledged"] == 4 and stats["buffer/dead_letter"] == 0
     scored = int(out.rsplit("after scoring ", 1)[1].split()[0])
     assert scored >= 4 * 4  # every sample of the 4 trained groups went through the service
+
+
+@pytest.mark.slow
+def test_greedy_check_sees_each_version_served_as_the_learner_has_it(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """examples/greedy_check.py beside a run: the server's greedy completion after each weight update equals the
+    learner's snapshot's (the check asks the server while the learner trains 40 steps at a high lr)."""
+    port = free_port()
+    cfg = config(tmp_path, tiny_model_dir, run_id="greedy", rollout={"port": port, "prompt_workers": 2},
+                 learner={"total_steps": 40, "lr": 3e-3, "data_path": "demo:charclass"})  # fmt: skip
+    up = start_up(cfg)
+    try:
+        check = subprocess.run([sys.executable, "examples/greedy_check.py", "--server", f"127.0.0.1:{port}",
+                                "--run", str(tmp_path / "runs" / "greedy"), "--every-s", "0.3",
+                                "--start-timeout-s", "300"], cwd=REPO, capture_output=True, text=True,
+                               timeout=600)  # fmt: skip
+        finished_run(up, tmp_path / "runs" / "greedy")
+    finally:
+        up.kill()
+    assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-3000:]
+    summary = check.stdout.strip().splitlines()[-1]
+    checked = [int(v) for v in summary.split("(", 1)[1].split(")", 1)[0].strip("[]").split(",")]
+    assert summary.startswith(f"greedy check: {len(checked)}/{len(checked)} versions equal"), summary
+    assert len(checked) >= 2 and max(checked) >= 1, summary  # trained versions (the base is often past by then)
