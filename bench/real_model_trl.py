@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import figure, ordered, report, tether_up  # noqa: E402
+from bench.vs_trl import grpo_config  # noqa: E402
 
 CONFIG = REPO / "configs" / "gemma-addition.yaml"
 PROMPTS, N, LR, TOKENS, EVAL_EVERY, VAL_PROMPTS, VAL_N = 4, 8, 2e-6, 10, 5, 32, 4
@@ -61,9 +62,9 @@ def tether_trial(*, seed: int, steps: int, out: Path, staleness: int) -> dict:
     run = tether_up(cfg, out=out, run_id=run_id)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     curve = {int(r["step"]): float(r["val/mean@k"]) for r in rows if "val/mean@k" in r}
-    steps_rows = sorted((int(r["step"]), float(r["time"])) for r in rows if "reward/mean" in r)
-    rewards = {int(r["step"]): float(r["reward/mean"]) for r in rows if "reward/mean" in r}
-    return {"curve": curve, "end_times": [t for _, t in steps_rows], "rewards": [rewards[s] for s, _ in steps_rows]}
+    trained = sorted((r for r in rows if "reward/mean" in r), key=lambda r: int(r["step"]))
+    return {"curve": curve, "end_times": [float(r["time"]) for r in trained],
+            "rewards": [float(r["reward/mean"]) for r in trained]}  # fmt: skip
 
 
 def trl_trial(*, seed: int, steps: int, out: Path, staleness: int = 0) -> dict:
@@ -88,7 +89,7 @@ def trl_child(spec: dict) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from tether.scorers import math_reward
     from tether.tasks import demo_rows
@@ -134,32 +135,9 @@ def trl_child(spec: dict) -> None:
             if logs and "reward" in logs:
                 rewards.append(float(logs["reward"]))
 
-    config = GRPOConfig(
-        output_dir=str(Path(spec["out"]) / f"trl-seed{seed}"),
-        use_cpu=True,
-        bf16=False,  # float32, as tether's learner and engine on CPU
-        seed=seed,
-        max_steps=steps,
-        per_device_train_batch_size=PROMPTS * N,
-        gradient_accumulation_steps=1,
-        num_generations=N,
-        max_completion_length=TOKENS,
-        temperature=1.0,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        loss_type="dapo",
-        epsilon=0.2,
-        epsilon_high=0.28,
-        beta=0.0,
-        shuffle_dataset=False,  # tether streams the task in order: the same prompts per step
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-    )
+    # float32 (no autocast), as tether's learner and engine on CPU
+    config = grpo_config(out=Path(spec["out"]) / f"trl-seed{seed}", seed=seed, steps=steps, prompts=PROMPTS,
+                         samples=N, tokens=TOKENS, lr=LR, bf16=False)  # fmt: skip
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
         processing_class=tokenizer,

@@ -93,11 +93,45 @@ def trl_trial(*, model: Path, tokens: int, seed: int, steps: int, out: Path, pre
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def grpo_config(*, out: Path, seed: int, steps: int, prompts: int, samples: int, tokens: int, lr: float, bf16: bool):  # type: ignore[no-untyped-def]
+    """TRL's ``GRPOConfig`` with tether's defaults where the concept is the same: ``prompts`` x ``samples`` a step
+    in one optimizer step, constant ``lr``, token-mean loss (``dapo``), clip 0.2/0.28, no KL, no weight decay,
+    grad clip 1.0, temperature 1, the prompts in order; ``bf16`` is TRL's autocast (its default, on CPU too)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(out),
+        use_cpu=True,
+        bf16=bf16,
+        seed=seed,
+        max_steps=steps,
+        per_device_train_batch_size=prompts * samples,
+        gradient_accumulation_steps=1,
+        num_generations=samples,
+        max_completion_length=tokens,
+        temperature=1.0,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        loss_type="dapo",
+        epsilon=0.2,
+        epsilon_high=0.28,
+        beta=0.0,
+        shuffle_dataset=False,  # tether streams the task in order; keep the same prompts per step
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+
+
 def trl_child(spec: dict) -> None:
     """Runs in its own process: TRL GRPOTrainer on the same prompts, reward and knobs; prints JSON."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from tether.tasks import demo_reward, demo_rows
 
@@ -121,32 +155,8 @@ def trl_child(spec: dict) -> None:
                 rewards.append(float(logs["reward"]))
                 lengths.append(float(logs.get("completions/mean_length", 0.0)))
 
-    config = GRPOConfig(
-        output_dir=str(Path(spec["out"]) / f"trl-seed{seed}"),
-        use_cpu=True,
-        bf16=spec["bf16"],  # TRL's default is True, on CPU too (autocast for generation and training)
-        seed=seed,
-        max_steps=steps,
-        per_device_train_batch_size=PROMPTS * SAMPLES,
-        gradient_accumulation_steps=1,
-        num_generations=SAMPLES,
-        max_completion_length=spec["tokens"],
-        temperature=1.0,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        loss_type="dapo",
-        epsilon=0.2,
-        epsilon_high=0.28,
-        beta=0.0,
-        shuffle_dataset=False,  # tether streams the task in order; keep the same prompts per step
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-    )
+    config = grpo_config(out=Path(spec["out"]) / f"trl-seed{seed}", seed=seed, steps=steps, prompts=PROMPTS,
+                         samples=SAMPLES, tokens=spec["tokens"], lr=LR, bf16=spec["bf16"])  # fmt: skip
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(spec["model"]),
         processing_class=AutoTokenizer.from_pretrained(spec["model"]),

@@ -42,20 +42,14 @@ def _learner_model(run: Path):  # type: ignore[no-untyped-def]
 
 def _load_version(model, folder: str, snapshots: Path, version: int) -> bool:  # type: ignore[no-untyped-def]
     """The learner's weights of ``version`` into ``model``; False when its snapshot is gone (pruned)."""
-    from safetensors.torch import load_file
-
     from weight_sync.snapshot import read_snapshot, snapshot_dir
 
-    if version == 0:
-        tensors = {}
-        for shard in sorted(Path(folder).glob("*.safetensors")):
-            tensors.update(load_file(str(shard)))
-    else:
-        path = snapshot_dir(snapshots, version)
-        try:
-            tensors = dict(read_snapshot(path))
-        except (OSError, ValueError):
-            return False
+    # A snapshot reads as a Hugging Face folder does (its index, else every shard): the base is the model's folder.
+    path = Path(folder) if version == 0 else snapshot_dir(snapshots, version)
+    try:
+        tensors = dict(read_snapshot(path))
+    except (OSError, ValueError):
+        return False
     state = model.state_dict()
     for name, tensor in tensors.items():
         if name in state:
